@@ -1,0 +1,145 @@
+"""The kernel contract: attention over ONE (query block, key/value block) pair on ONE device.
+
+Every backend module (`xla`, `pallas_tpu`, `pallas_gpu`) implements the same two functions:
+
+  forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec) -> (o, lse)
+    q [B, T, N, H], k/v [B, S, K, H] with N % K == 0 (query head n uses kv head n // (N // K));
+    o [B, T, N, H] float32, normalized over this block pair only;
+    lse [B, N, T] float32, natural log of sum_j exp(scale * q.k_j) over the valid keys of this
+    pair, -inf for a row with no valid key (and then o == 0).
+
+  backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec, dlse=None)
+      -> (dq, dk, dv), float32 partial gradients of this block pair;
+    out [B, T, N, H] and lse [B, N, T] are the GLOBAL (merged over all pairs) ones, so that
+    p = exp(s - lse) is already the final softmax probability of every pair and no partial
+    result needs re-normalizing. dlse [B, N, T] float32 is the cotangent of the global lse
+    (None means zero).
+
+Positions are int32 global token indices ([T] and [S]); segment ids are int [B, T] and
+[B, S] or None (no document masking). A layout only changes which positions a device holds:
+every mask here is a function of (q_pos, k_pos, q_seg, k_seg) and nothing else.
+
+This module holds what the backends share: the static spec, tile sizes and the mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes of a kernel: `block_q` query rows by `block_k` key rows.
+
+  None leaves the choice to the backend's per-hardware default. Each backend checks the
+  sizes it is given against the local lengths and its own tiling rules.
+  """
+
+  block_q: int | None = None
+  block_k: int | None = None
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      value = getattr(self, name)
+      if value is None:
+        continue
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"block_sizes.{name} must be a positive int or None, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+  """Static description of the attention a kernel computes; hashable, part of jit keys.
+
+  Attributes:
+    scale: multiplier of q.k before the softmax.
+    causal: mask key positions greater than the query position.
+    block_q: query rows per tile (resolved: an int dividing the local query length).
+    block_k: key rows per tile (resolved: an int dividing the local key length).
+    interpret: run Pallas kernels in interpret mode (set when the devices are CPUs).
+  """
+
+  scale: float
+  causal: bool
+  block_q: int
+  block_k: int
+  interpret: bool = False
+
+
+def mask(q_pos, k_pos, q_seg, k_seg, spec: KernelSpec):
+  """Which (query, key) pairs may attend, for one tile.
+
+  Args:
+    q_pos: [tq] int32 global positions of the tile's queries.
+    k_pos: [tk] int32 global positions of the tile's keys.
+    q_seg: [B, tq] int segment ids, or None.
+    k_seg: [B, tk] int segment ids, or None.
+    spec: the kernel spec.
+
+  Returns:
+    bool [B, tq, tk] ([1, tq, tk] without segment ids): True where the pair is valid.
+  """
+  valid = jnp.ones((1, q_pos.shape[0], k_pos.shape[0]), dtype=jnp.bool_)
+  if spec.causal:
+    valid = valid & (k_pos[None, None, :] <= q_pos[None, :, None])
+  if q_seg is not None:
+    valid = valid & (q_seg[:, :, None] == k_seg[:, None, :])
+  return valid
+
+
+def block_may_have_work(q_pos, k_pos, spec: KernelSpec):
+  """A cheap, conservative test of whether a whole block pair has any valid entry.
+
+  False only when no pair can be valid, whatever the segment ids: with causal masking,
+  when the smallest key position exceeds the largest query position (contiguous layout,
+  device i at ring step s holds the keys of device i - s mod P; every step where the
+  source lies after i is dead, so about half the hops are skipped). Segment ids cannot
+  kill a hop here; the kernels skip their empty tiles one by one.
+
+  Returns:
+    A scalar bool (traced).
+  """
+  if spec.causal:
+    return jnp.min(k_pos) <= jnp.max(q_pos)
+  return jnp.bool_(True)
+
+
+def largest_divisor_at_most(n: int, cap: int, multiple_of: int = 1) -> int | None:
+  """The largest d <= cap with n % d == 0 and d % multiple_of == 0, or None."""
+  for d in range(min(n, cap), 0, -1):
+    if n % d == 0 and d % multiple_of == 0:
+      return d
+  return None
+
+
+def match_vma(x, *refs):
+  """x, marked as varying over every manual mesh axis that any of `refs` varies over.
+
+  Inside shard_map, JAX types each value by the mesh axes it varies over; a constant made
+  by jnp.zeros varies over none, so a loop carry or cond branch built from one would not
+  match the values computed from the inputs. This reads the axes off the inputs' types, so
+  kernels stay unaware of meshes; outside shard_map it returns x unchanged.
+  """
+  def vma(a):
+    aval = jax.typeof(a)
+    if hasattr(aval, "vma"):                    # jax 0.11
+      return aval.vma
+    manual = getattr(aval, "manual_axis_type", None)   # newer jax
+    return manual.varying if manual is not None else frozenset()
+
+  want = frozenset().union(*(vma(r) for r in refs if r is not None))
+  missing = tuple(sorted(want - vma(x)))
+  if not missing:
+    return x
+  if hasattr(lax, "pcast"):
+    return lax.pcast(x, missing, to="varying")
+  return lax.pvary(x, missing)  # jax releases before pcast
+
+
+def filled(shape, value, refs, dtype=jnp.float32):
+  """jnp.full(shape, value, dtype) typed as varying like `refs` (see match_vma)."""
+  return match_vma(jnp.full(shape, value, dtype), *refs)

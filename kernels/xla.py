@@ -1,0 +1,187 @@
+"""The portable backend: blockwise attention in jnp, lax loops over tiles, fp32 statistics.
+
+Default on CPU, fallback everywhere, and the reference the Pallas kernels are tested against.
+Never materializes a [T, S] score array: the largest intermediate is one [B, K, G, bq, bk]
+tile. GQA: queries are viewed as [B, T, K, G, H] (G = N // K query heads per kv head) and
+contracted against [B, S, K, H] keys directly, so K/V are never repeated in memory.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from ringflash.kernels import base
+
+NAME = "xla"
+_DEFAULT_BLOCK = 512
+
+
+def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *,
+                        head_dim: int, dtype, device_kind: str) -> tuple[int, int]:
+  """Per-backend tile sizes for local lengths q_len, kv_len (same signature in every backend).
+
+  Defaults: the largest divisor of the length that is at most 512. Given sizes must divide
+  the local lengths.
+
+  Raises:
+    ValueError: naming block_sizes, when a given size does not divide its length.
+  """
+  del head_dim, dtype, device_kind  # one default for every device here
+  out = []
+  for name, given, length in (("block_q", block_sizes.block_q, q_len),
+                              ("block_k", block_sizes.block_k, kv_len)):
+    if given is None:
+      out.append(base.largest_divisor_at_most(length, _DEFAULT_BLOCK))
+    elif length % given:
+      raise ValueError(
+          f"block_sizes.{name}={given} must divide the local length {length} "
+          f"(backend {NAME!r})")
+    else:
+      out.append(given)
+  return out[0], out[1]
+
+
+def _precision(dtype):
+  # fp32 inputs get full-precision products (TPU would otherwise use bf16 passes).
+  return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _slice(x, start, size, axis):
+  return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _seg_tile(seg, start, size):
+  return None if seg is None else _slice(seg, start, size, 1)
+
+
+def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
+  """Block-pair forward; see kernels/base.py for the contract."""
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  g = n // kh
+  bq, bk = spec.block_q, spec.block_k
+  nq, nk = t // bq, s // bk
+  prec = _precision(q.dtype)
+  q5 = q.reshape(b, t, kh, g, h)
+
+  def q_tile(i):
+    qt = _slice(q5, i * bq, bq, 1)                      # [B, bq, K, G, H]
+    qp = _slice(q_pos, i * bq, bq, 0)                   # [bq]
+    qs = _seg_tile(q_seg, i * bq, bq)                   # [B, bq] | None
+
+    def kv_step(j, carry):
+      kt = _slice(k, j * bk, bk, 1)                     # [B, bk, K, H]
+      vt = _slice(v, j * bk, bk, 1)
+      valid = base.mask(qp, _slice(k_pos, j * bk, bk, 0), qs, _seg_tile(k_seg, j * bk, bk),
+                        spec)                           # [B|1, bq, bk]
+
+      def compute(carry):
+        m, l, acc = carry                               # [B,K,G,bq], [B,K,G,bq], [B,K,G,bq,H]
+        sc = jnp.einsum("bqkgh,bskh->bkgqs", qt, kt, precision=prec,
+                        preferred_element_type=jnp.float32) * spec.scale
+        sc = jnp.where(valid[:, None, None], sc, -jnp.inf)
+        m_new = jnp.maximum(m, sc.max(axis=-1))
+        # A row with no valid key so far keeps m = -inf; shift it by 0 so that no
+        # (-inf) - (-inf) appears: its p and alpha are then exactly 0.
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(sc - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        l_new = alpha * l + p.sum(axis=-1)
+        pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), vt, precision=prec,
+                        preferred_element_type=jnp.float32)
+        return m_new, l_new, alpha[..., None] * acc + pv
+
+      return lax.cond(jnp.any(valid), compute, lambda c: c, carry)
+
+    refs = (q, k, v, q_pos, k_pos, q_seg, k_seg)
+    init = (base.filled((b, kh, g, bq), -jnp.inf, refs),
+            base.filled((b, kh, g, bq), 0.0, refs),
+            base.filled((b, kh, g, bq, h), 0.0, refs))
+    m, l, acc = lax.fori_loop(0, nk, kv_step, init)
+    has_key = l > 0
+    lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, l, 1.0)), -jnp.inf)
+    o = jnp.where(has_key[..., None], acc / jnp.where(has_key, l, 1.0)[..., None], 0.0)
+    return o.transpose(0, 3, 1, 2, 4), lse              # [B, bq, K, G, H], [B, K, G, bq]
+
+  o_tiles, lse_tiles = lax.map(q_tile, jnp.arange(nq))  # [nq, B, bq, K, G, H], [nq, B, K, G, bq]
+  o = o_tiles.transpose(1, 0, 2, 3, 4, 5).reshape(b, t, n, h)
+  lse = lse_tiles.transpose(1, 2, 3, 0, 4).reshape(b, n, t)
+  return o, lse
+
+
+def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
+             dlse=None):
+  """Block-pair backward from the global out and lse; see kernels/base.py for the contract.
+
+  With p = exp(s - lse) (final probabilities) and D = rowsum(dout * out) - dlse:
+    dv = p^T dout,  dp = dout v^T,  ds = p * (dp - D),  dq = scale ds k,  dk = scale ds^T q.
+  Outer loop over key tiles (dk, dv of a tile finish in registers of the loop carry), inner
+  loop over query tiles accumulating dq into a float32 [B, T, K, G, H] carry.
+  """
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  g = n // kh
+  bq, bk = spec.block_q, spec.block_k
+  nq, nk = t // bq, s // bk
+  prec = _precision(q.dtype)
+  q5 = q.reshape(b, t, kh, g, h)
+  do5 = dout.reshape(b, t, kh, g, h)
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
+  delta = delta.transpose(0, 2, 1)                                              # [B, N, T]
+  if dlse is not None:
+    delta = delta - dlse
+  delta = delta.reshape(b, kh, g, t)
+  refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
+  lse4 = lse.reshape(b, kh, g, t)
+  row_ok = jnp.isfinite(lse4)
+  lse_safe = jnp.where(row_ok, lse4, 0.0)
+
+  def kv_tile(j, carry):
+    dq, dk, dv = carry
+    kt = _slice(k, j * bk, bk, 1)                       # [B, bk, K, H]
+    vt = _slice(v, j * bk, bk, 1)
+    kp = _slice(k_pos, j * bk, bk, 0)
+    ks = _seg_tile(k_seg, j * bk, bk)
+
+    def q_step(i, inner):
+      dq, dkt, dvt = inner
+      qp = _slice(q_pos, i * bq, bq, 0)
+      valid = base.mask(qp, kp, _seg_tile(q_seg, i * bq, bq), ks, spec)  # [B|1, bq, bk]
+
+      def compute(inner):
+        dq, dkt, dvt = inner
+        qt = _slice(q5, i * bq, bq, 1)                  # [B, bq, K, G, H]
+        dot = _slice(do5, i * bq, bq, 1)
+        lt = _slice(lse_safe, i * bq, bq, 3)            # [B, K, G, bq]
+        okt = _slice(row_ok, i * bq, bq, 3)
+        dt = _slice(delta, i * bq, bq, 3)
+        sc = jnp.einsum("bqkgh,bskh->bkgqs", qt, kt, precision=prec,
+                        preferred_element_type=jnp.float32) * spec.scale
+        keep = valid[:, None, None] & okt[..., None]
+        p = jnp.where(keep, jnp.exp(sc - lt[..., None]), 0.0)          # [B, K, G, bq, bk]
+        dvt = dvt + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(v.dtype), dot, precision=prec,
+                               preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bqkgh,bskh->bkgqs", dot, vt, precision=prec,
+                        preferred_element_type=jnp.float32)
+        ds = (p * (dp - dt[..., None])).astype(q.dtype)
+        dkt = dkt + spec.scale * jnp.einsum("bkgqs,bqkgh->bskh", ds, qt, precision=prec,
+                                            preferred_element_type=jnp.float32)
+        dq_t = spec.scale * jnp.einsum("bkgqs,bskh->bqkgh", ds, kt, precision=prec,
+                                       preferred_element_type=jnp.float32)
+        dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * bq, bq, 1) + dq_t, i * bq, 1)
+        return dq, dkt, dvt
+
+      return lax.cond(jnp.any(valid), compute, lambda c: c, inner)
+
+    zeros_kv = base.filled((b, bk, kh, h), 0.0, refs)
+    dq, dkt, dvt = lax.fori_loop(0, nq, q_step, (dq, zeros_kv, zeros_kv))
+    dk = lax.dynamic_update_slice_in_dim(dk, dkt, j * bk, 1)
+    dv = lax.dynamic_update_slice_in_dim(dv, dvt, j * bk, 1)
+    return dq, dk, dv
+
+  init = (base.filled((b, t, kh, g, h), 0.0, refs),
+          base.filled((b, s, kh, h), 0.0, refs),
+          base.filled((b, s, kh, h), 0.0, refs))
+  dq, dk, dv = lax.fori_loop(0, nk, kv_tile, init)
+  return dq.reshape(b, t, n, h), dk, dv

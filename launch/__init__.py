@@ -1,0 +1,1 @@
+"""Multi-host launch: distributed initialization and launchers (uses the public API only)."""

@@ -1,0 +1,183 @@
+"""Public entry points: ring_attention (global arrays on a mesh) and ring_attention_sharded."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ringflash import _validate
+from ringflash.kernels import get_backend
+from ringflash.kernels.base import BlockSizes
+from ringflash.parallel.ring import ring_attention_local
+
+
+def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: str = "sp",
+                   is_causal: bool = False, scale: float | None = None, segment_ids=None,
+                   return_residual: bool = False, backend: str = "auto",
+                   block_sizes: BlockSizes | None = None):
+  """Exact attention with the sequence sharded over a ring of devices.
+
+  Semantics of `jax.nn.dot_product_attention` (BTNH layout, GQA/MQA when N % K == 0), except
+  that a query row with no valid key gives 0 (lse -inf, zero gradients). With `is_causal` and
+  T != S, query i sees keys j <= i (jax.nn's top-left alignment).
+
+  Args:
+    query: [B, T, N, H].
+    key: [B, S, K, H], N % K == 0.
+    value: [B, S, K, H].
+    mesh: the device mesh; None builds a 1-D mesh over jax.devices() named `axis_name`.
+    axis_name: the mesh axis the sequence is sharded over (the ring). Other mesh axes are
+      honoured: batch and heads keep the sharding the inputs carry (visible on concrete
+      arrays and, inside jit, on meshes with explicit axes); the output keeps it.
+    is_causal: mask keys after the query position.
+    scale: multiplier of q.k; default 1/sqrt(H).
+    segment_ids: [B, T] int (self-attention, T == S) or a pair (q_ids [B, T], kv_ids [B, S]);
+      a query attends only keys of its own segment id.
+    return_residual: also return lse [B, N, T] float32.
+    backend: "auto" (native kernel of the mesh's devices), "xla", "pallas_tpu", "pallas_gpu".
+    block_sizes: tile sizes for the backend; None for its defaults.
+
+  Returns:
+    out [B, T, N, H] in query's dtype, sequence-sharded over `axis_name`; with
+    return_residual, (out, lse).
+
+  Raises:
+    ValueError: on any invalid argument, naming it, before any collective runs.
+  """
+  if mesh is None:
+    mesh = Mesh(np.array(jax.devices()), (axis_name,))
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh; its axes are "
+                     f"{tuple(mesh.axis_names)}")
+  ring_size = mesh.shape[axis_name]
+  checked = _validate.check_inputs(query, key, value, segment_ids=segment_ids, scale=scale,
+                                   backend=backend, ring_size=ring_size, local=False)
+  device = mesh.devices.flat[0]
+  kernel = get_backend(_validate.resolve_backend(checked.backend, device.platform, device))
+  spec = _validate.resolve_spec(
+      kernel, scale=checked.scale, causal=bool(is_causal), block_sizes=block_sizes,
+      q_len=query.shape[1] // ring_size, kv_len=key.shape[1] // ring_size,
+      head_dim=query.shape[3], dtype=query.dtype, platform=device.platform,
+      device_kind=device.device_kind)
+  batch, heads = _outer_axes(query, mesh, axis_name)
+  _check_divisible(query, key, mesh, batch, heads)
+
+  x_spec = P(batch, axis_name, heads, None)
+  seg_spec = P(batch, axis_name)
+  local = functools.partial(ring_attention_local, spec=spec, axis_name=axis_name,
+                            ring_size=ring_size, kernel=kernel)
+  out_specs = (x_spec, P(batch, heads, axis_name))
+  if checked.q_seg is None:
+    fn = jax.shard_map(lambda q, k, v: local(q, k, v, None, None), mesh=mesh,
+                       in_specs=(x_spec,) * 3, out_specs=out_specs)
+    out, lse = fn(query, key, value)
+  else:
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(x_spec,) * 3 + (seg_spec,) * 2,
+                       out_specs=out_specs)
+    out, lse = fn(query, key, value, checked.q_seg, checked.kv_seg)
+  return (out, lse) if return_residual else out
+
+
+def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool = False,
+                           scale: float | None = None, segment_ids=None,
+                           return_residual: bool = False, backend: str = "auto",
+                           block_sizes: BlockSizes | None = None):
+  """ring_attention on local shards, for use inside the caller's shard_map.
+
+  The caller's shard_map must map `axis_name` with the sequence (dim 1 of every array)
+  split over it in device order (contiguous layout); batch and heads may be split over
+  other axes as the caller likes.
+
+  Args:
+    query: [B, T_local, N, H] this device's shard.
+    key, value: [B, S_local, K, H].
+    axis_name: the manual mesh axis forming the ring.
+    is_causal, scale, segment_ids, return_residual, backend, block_sizes: as ring_attention,
+      with local shapes.
+
+  Returns:
+    out [B, T_local, N, H] (and lse [B, N, T_local] float32 with return_residual).
+
+  Raises:
+    ValueError: on any invalid argument, or when axis_name is not a bound mesh axis.
+  """
+  try:
+    ring_size = lax.axis_size(axis_name)
+  except NameError as err:
+    raise ValueError(f"axis_name {axis_name!r} is not a bound mesh axis here; call "
+                     f"ring_attention_sharded inside shard_map over it") from err
+  checked = _validate.check_inputs(query, key, value, segment_ids=segment_ids, scale=scale,
+                                   backend=backend, ring_size=ring_size, local=True)
+  platform, device = _current_platform()
+  kernel = get_backend(_validate.resolve_backend(checked.backend, platform, device))
+  spec = _validate.resolve_spec(
+      kernel, scale=checked.scale, causal=bool(is_causal), block_sizes=block_sizes,
+      q_len=query.shape[1], kv_len=key.shape[1], head_dim=query.shape[3], dtype=query.dtype,
+      platform=platform, device_kind=getattr(device, "device_kind", ""))
+  out, lse = ring_attention_local(query, key, value, checked.q_seg, checked.kv_seg, spec=spec,
+                                  axis_name=axis_name, ring_size=ring_size, kernel=kernel)
+  return (out, lse) if return_residual else out
+
+
+def _current_platform():
+  """Platform of the devices of the enclosing shard_map's mesh, and one such device."""
+  abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  platform = getattr(abstract, "platform", None) or jax.default_backend()
+  matching = [d for d in jax.devices() if d.platform == platform] if platform in (
+      "cpu", "gpu", "cuda", "tpu") else []
+  return platform, (matching[0] if matching else abstract)
+
+
+def _outer_axes(query, mesh: Mesh, axis_name: str):
+  """Mesh axes that query's batch and heads are sharded over, where the sharding is visible.
+
+  Concrete arrays carry a NamedSharding; inside jit, tracers show theirs on meshes with
+  explicit axes. The ring axis is never taken for batch or heads.
+  """
+  spec = None
+  sharding = getattr(query, "sharding", None) if not isinstance(query, jax.core.Tracer) else None
+  if isinstance(sharding, NamedSharding) and sharding.mesh.shape == mesh.shape:
+    spec = sharding.spec
+  else:
+    try:
+      typed = jax.typeof(query).sharding
+    except (AttributeError, TypeError):
+      typed = None
+    if typed is not None and tuple(getattr(typed.mesh, "axis_names", ())) == tuple(
+        mesh.axis_names):
+      spec = typed.spec
+  if spec is None:
+    return None, None
+  entries = tuple(spec) + (None,) * (4 - len(tuple(spec)))
+
+  def without_ring(entry):
+    if entry is None:
+      return None
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    names = tuple(a for a in names if a != axis_name)
+    return None if not names else names[0] if len(names) == 1 else names
+
+  return without_ring(entries[0]), without_ring(entries[2])
+
+
+def _check_divisible(query, key, mesh: Mesh, batch, heads):
+  def size(entry):
+    if entry is None:
+      return 1
+    names = (entry,) if isinstance(entry, str) else entry
+    return int(np.prod([mesh.shape[a] for a in names]))
+
+  if query.shape[0] % size(batch):
+    raise ValueError(f"query batch {query.shape[0]} must divide over mesh axes {batch} "
+                     f"({size(batch)} devices)")
+  if key.shape[2] % size(heads):
+    raise ValueError(f"key heads K={key.shape[2]} must divide over the mesh axes {heads} "
+                     f"({size(heads)} devices) that query's heads are sharded over, so that "
+                     f"each device keeps whole GQA groups")

@@ -1,0 +1,42 @@
+"""The independent reference: dense masked attention in float32 at HIGHEST precision.
+
+Written directly from the definition (repeat K/V per query head, full [T, S] scores, one
+softmax), sharing no code with ringflash. Rows with no valid key give 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def attention(q, k, v, *, causal=False, scale=None, q_seg=None, kv_seg=None, upcast=True):
+  """Dense attention. q [B, T, N, H], k/v [B, S, K, H] -> (out [B, T, N, H], lse [B, N, T]).
+
+  upcast=True computes in float32 at HIGHEST precision (the oracle); upcast=False computes in
+  the inputs' dtype (the "plain bf16 implementation" of the bf16 error criterion).
+  """
+  if upcast:
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  t, n, h = q.shape[1], q.shape[2], q.shape[3]
+  s, kh = k.shape[1], k.shape[2]
+  scale = 1.0 / (h ** 0.5) if scale is None else scale
+  k = jnp.repeat(k, n // kh, axis=2)
+  v = jnp.repeat(v, n // kh, axis=2)
+  prec = jax.lax.Precision.HIGHEST
+  logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=prec) * jnp.asarray(scale, q.dtype)
+  valid = jnp.ones((1, 1, t, s), bool)
+  if causal:
+    valid = valid & (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None])[None, None]
+  if q_seg is not None:
+    valid = valid & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
+  logits = jnp.where(valid, logits, -jnp.inf)
+  row_ok = valid.any(axis=-1)                                   # [B|1, 1, T]
+  m = jnp.where(row_ok, logits.max(axis=-1), 0.0)
+  p = jnp.where(valid, jnp.exp(logits - m[..., None]), 0.0)
+  denom = p.sum(axis=-1)
+  safe = jnp.where(row_ok, denom, 1.0)
+  w = p / safe[..., None]
+  out = jnp.einsum("bnts,bsnh->btnh", w.astype(v.dtype), v, precision=prec)
+  lse = jnp.where(row_ok, m + jnp.log(safe), -jnp.inf)
+  return out, jnp.broadcast_to(lse, (q.shape[0], n, t)).astype(jnp.float32)
