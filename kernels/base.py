@@ -91,21 +91,34 @@ def mask(q_pos, k_pos, q_seg, k_seg, spec: KernelSpec):
   return valid
 
 
-def block_may_have_work(q_pos, k_pos, spec: KernelSpec):
-  """A cheap, conservative test of whether a whole block pair has any valid entry.
+def block_may_have_work(q_pos, k_pos, spec: KernelSpec, q_seg=None, k_seg=None):
+  """A cheap, conservative test of whether a block pair (or one tile) has any valid entry.
 
-  False only when no pair can be valid, whatever the segment ids: with causal masking,
-  when the smallest key position exceeds the largest query position (contiguous layout,
-  device i at ring step s holds the keys of device i - s mod P; every step where the
-  source lies after i is dead, so about half the hops are skipped). Segment ids cannot
-  kill a hop here; the kernels skip their empty tiles one by one.
+  Looks only at the ranges [min, max] of positions and segment ids, O(T + S) work, never
+  at the pairs. False only when no pair can be valid: with causal masking, when the smallest
+  key position exceeds the largest query position (contiguous layout, device i at ring step
+  s holds the keys of device i - s mod P, so every step whose source lies after i is dead:
+  about half the hops); with segment ids, when in every batch row the query ids' range and
+  the key ids' range are disjoint (packed documents: tiles of different documents).
+  The ring calls it per hop, kernels per tile (for tile-skipping flags); a True still lets
+  the exact mask decide pair by pair.
+
+  Args:
+    q_pos: [tq] int32 positions. k_pos: [tk] int32 positions.
+    spec: the kernel spec.
+    q_seg: [B, tq] int or None. k_seg: [B, tk] int or None.
 
   Returns:
     A scalar bool (traced).
   """
+  ok = jnp.bool_(True)
   if spec.causal:
-    return jnp.min(k_pos) <= jnp.max(q_pos)
-  return jnp.bool_(True)
+    ok = ok & (jnp.min(k_pos) <= jnp.max(q_pos))
+  if q_seg is not None and k_seg is not None:
+    overlap = (jnp.min(k_seg, axis=1) <= jnp.max(q_seg, axis=1)) & (
+        jnp.min(q_seg, axis=1) <= jnp.max(k_seg, axis=1))
+    ok = ok & jnp.any(overlap)
+  return ok
 
 
 def largest_divisor_at_most(n: int, cap: int, multiple_of: int = 1) -> int | None:

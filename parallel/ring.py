@@ -73,7 +73,7 @@ def _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel):
   def step(o, lse, kv):
     k_, v_, kp, ks = kv
     o_i, lse_i = lax.cond(
-        base.block_may_have_work(q_pos, kp, spec),
+        base.block_may_have_work(q_pos, kp, spec, q_seg, ks),
         lambda: kernel.forward(q, k_, v_, q_pos, kp, q_seg, ks, spec),
         empty)
     return merge(o, lse, o_i, lse_i)
@@ -106,7 +106,7 @@ def _backward(res: Residuals, dout, dlse, spec, axis_name, ring_size, kernel):
       return tuple(base.filled(x.shape, 0.0, refs) for x in (q, k_, v_))
 
     return lax.cond(
-        base.block_may_have_work(q_pos, kp, spec),
+        base.block_may_have_work(q_pos, kp, spec, q_seg, ks),
         lambda: kernel.backward(q, k_, v_, out, lse, dout, q_pos, kp, q_seg, ks, spec, dlse=dlse),
         zeros)
 
