@@ -55,6 +55,16 @@ def _seg_tile(seg, start, size):
   return None if seg is None else _slice(seg, start, size, 1)
 
 
+def _finite_rows(x):
+  """x with non-finite entries zeroed, and float32 [B, rows, K] flags of rows that had any.
+
+  x: [B, rows, K, H]. Used for matmul operands whose rows may be masked for some of the
+  other operand's rows: a masked pair has weight exactly 0, but 0 * NaN is NaN.
+  """
+  ok = jnp.isfinite(x)
+  return jnp.where(ok, x, jnp.zeros_like(x)), jnp.any(~ok, axis=-1).astype(jnp.float32)
+
+
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   """Block-pair forward; see kernels/base.py for the contract."""
   b, t, n, h = q.shape
@@ -88,9 +98,15 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
         p = jnp.exp(sc - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
         l_new = alpha * l + p.sum(axis=-1)
-        pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), vt, precision=prec,
+        # 0 * NaN = NaN: a non-finite value row would leak through the product into rows
+        # that give it weight 0. Multiply by finite rows only, then poison exactly the rows
+        # that give a non-finite value row positive weight.
+        vt_ok, v_bad = _finite_rows(vt)                 # [B, bk, K, H], [B, bk, K]
+        pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), vt_ok, precision=prec,
                         preferred_element_type=jnp.float32)
-        return m_new, l_new, alpha[..., None] * acc + pv
+        poisoned = jnp.einsum("bkgqs,bsk->bkgq", p, v_bad) > 0
+        acc_new = jnp.where(poisoned[..., None], jnp.nan, alpha[..., None] * acc + pv)
+        return m_new, l_new, acc_new
 
       return lax.cond(jnp.any(valid), compute, lambda c: c, carry)
 
@@ -143,6 +159,8 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
     vt = _slice(v, j * bk, bk, 1)
     kp = _slice(k_pos, j * bk, bk, 0)
     ks = _seg_tile(k_seg, j * bk, bk)
+    kt_ok, _ = _finite_rows(kt)
+    vt_ok, _ = _finite_rows(vt)
 
     def q_step(i, inner):
       dq, dkt, dvt = inner
@@ -153,6 +171,10 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
         dq, dkt, dvt = inner
         qt = _slice(q5, i * bq, bq, 1)                  # [B, bq, K, G, H]
         dot = _slice(do5, i * bq, bq, 1)
+        # Products use finite operands only (see _finite_rows); NaN from a valid pair still
+        # reaches the gradients through p and ds, which are exact zeros on masked pairs.
+        qt_ok = jnp.where(jnp.isfinite(qt), qt, jnp.zeros_like(qt))
+        dot = jnp.where(jnp.isfinite(dot), dot, jnp.zeros_like(dot))
         lt = _slice(lse_safe, i * bq, bq, 3)            # [B, K, G, bq]
         okt = _slice(row_ok, i * bq, bq, 3)
         dt = _slice(delta, i * bq, bq, 3)
@@ -162,12 +184,12 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
         p = jnp.where(keep, jnp.exp(sc - lt[..., None]), 0.0)          # [B, K, G, bq, bk]
         dvt = dvt + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(v.dtype), dot, precision=prec,
                                preferred_element_type=jnp.float32)
-        dp = jnp.einsum("bqkgh,bskh->bkgqs", dot, vt, precision=prec,
+        dp = jnp.einsum("bqkgh,bskh->bkgqs", dot, vt_ok, precision=prec,
                         preferred_element_type=jnp.float32)
-        ds = (p * (dp - dt[..., None])).astype(q.dtype)
-        dkt = dkt + spec.scale * jnp.einsum("bkgqs,bqkgh->bskh", ds, qt, precision=prec,
+        ds = jnp.where(keep, p * (dp - dt[..., None]), 0.0).astype(q.dtype)
+        dkt = dkt + spec.scale * jnp.einsum("bkgqs,bqkgh->bskh", ds, qt_ok, precision=prec,
                                             preferred_element_type=jnp.float32)
-        dq_t = spec.scale * jnp.einsum("bkgqs,bskh->bqkgh", ds, kt, precision=prec,
+        dq_t = spec.scale * jnp.einsum("bkgqs,bskh->bqkgh", ds, kt_ok, precision=prec,
                                        preferred_element_type=jnp.float32)
         dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * bq, bq, 1) + dq_t, i * bq, 1)
         return dq, dkt, dvt

@@ -1,10 +1,10 @@
 # Sourced by scripts/demo and scripts/test. Finds a Python >= 3.12 by itself, creates or
-# reuses the virtual environment ($RINGFLASH_VENV, default .venv in the repository) and
-# installs ringflash into it (editable) with the extras named in $1.
+# reuses a virtual environment ($1: its folder name in the repository, unless RINGFLASH_VENV
+# names one) and installs ringflash into it (editable) with the extras named in $2.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${RINGFLASH_VENV:-$ROOT/.venv}"
-EXTRAS="${1:-}"
+VENV="${RINGFLASH_VENV:-$ROOT/$1}"
+EXTRAS="${2:-}"
 
 _py_ok() {
   "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1
