@@ -1,0 +1,332 @@
+"""Joining a multi-process JAX job: `initialize()` and the cross-process input check.
+
+How a process learns its place in the job (the contract is written down in README.md ("Multi-host launch")):
+
+1. `RINGFLASH_NUM_PROCESSES` set: the explicit contract. Process `RINGFLASH_PROCESS_ID` of
+   `RINGFLASH_NUM_PROCESSES` joins the coordinator at `RINGFLASH_COORDINATOR` (host:port,
+   served by process 0). This is what `ringflash launch local` sets.
+2. Otherwise, on a Cloud TPU VM (libtpu installed and TPU device files present):
+   `jax.distributed.initialize()` with no arguments; JAX reads the slice from the TPU
+   metadata. This is what `ringflash launch tpu` relies on.
+3. Otherwise: a single process; nothing to join.
+
+`RINGFLASH_DEVICES_PER_PROCESS` (CPU only) sets `jax_num_cpu_devices` in every case, and with
+several processes on CPU the collectives go through gloo. Both must be set before JAX
+initializes its backends, so `initialize()` must run before the first `jax.devices()`.
+
+Why a rendezvous of our own before `jax.distributed.initialize`: when a process is missing,
+JAX's coordination client aborts the whole process (a C++ fatal error, DEADLINE_EXCEEDED)
+without saying which process was missing. So, under the explicit contract, every process first
+checks in with process 0 over a plain TCP connection on the coordinator's port, within
+`RINGFLASH_INIT_TIMEOUT_S`; process 0 answers "go" once all have checked in, or names the
+missing ones. Only then does anyone call `jax.distributed.initialize` (same port: process 0
+closes its listener before JAX's coordination service binds it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import socket
+import time
+
+import jax
+import numpy as np
+
+ENV_COORDINATOR = "RINGFLASH_COORDINATOR"
+ENV_NUM_PROCESSES = "RINGFLASH_NUM_PROCESSES"
+ENV_PROCESS_ID = "RINGFLASH_PROCESS_ID"
+ENV_DEVICES_PER_PROCESS = "RINGFLASH_DEVICES_PER_PROCESS"
+ENV_INIT_TIMEOUT_S = "RINGFLASH_INIT_TIMEOUT_S"
+
+DEFAULT_INIT_TIMEOUT_S = 300
+
+# The rendezvous protocol: one line each way, ASCII.
+#   process k -> process 0:  "ringflash <k> <num_processes>\n"
+#   process 0 -> process k:  "go\n"  |  "error <text>\n"
+_HELLO = "ringflash"
+_RETRY_S = 0.2
+_ANSWER_GRACE_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Processes:
+  """This process's place in the job.
+
+  Attributes:
+    process_id: 0 .. num_processes - 1.
+    num_processes: processes in the job.
+    coordinator: "host:port" of process 0's coordination service; None when JAX found it by
+      itself (TPU) or with a single process.
+    source: "env" (RINGFLASH_* contract), "tpu" (JAX auto-detection) or "single".
+  """
+
+  process_id: int
+  num_processes: int
+  coordinator: str | None
+  source: str
+
+
+_joined: Processes | None = None
+
+
+def initialize() -> Processes:
+  """Joins the job this process belongs to; safe to call more than once.
+
+  Reads the environment contract of README.md ("Multi-host launch"). The second and later calls return the
+  first call's answer without touching JAX again.
+
+  Returns:
+    This process's Processes.
+
+  Raises:
+    ValueError: malformed RINGFLASH_* variables, naming the variable.
+    RuntimeError: the job could not start within RINGFLASH_INIT_TIMEOUT_S; the message names
+      the coordinator and the process(es) that failed to join.
+  """
+  global _joined
+  if _joined is not None:
+    return _joined
+  if jax.distributed.is_initialized():
+    # Someone else (the caller's own code) already joined; report what JAX knows.
+    _joined = Processes(jax.process_index(), jax.process_count(), None, "external")
+    return _joined
+
+  timeout_s = _env_int(ENV_INIT_TIMEOUT_S, DEFAULT_INIT_TIMEOUT_S, minimum=1)
+  devices_per_process = _env_int(ENV_DEVICES_PER_PROCESS, None, minimum=1)
+  if os.environ.get(ENV_NUM_PROCESSES):
+    num_processes = _env_int(ENV_NUM_PROCESSES, None, minimum=1)
+    process_id = _env_int(ENV_PROCESS_ID, None, minimum=0)
+    if process_id is None:
+      raise ValueError(f"{ENV_PROCESS_ID} must be set when {ENV_NUM_PROCESSES} is")
+    if process_id >= num_processes:
+      raise ValueError(f"{ENV_PROCESS_ID}={process_id} must be < "
+                       f"{ENV_NUM_PROCESSES}={num_processes}")
+    coordinator = os.environ.get(ENV_COORDINATOR, "")
+    if num_processes > 1 and not coordinator:
+      raise ValueError(f"{ENV_COORDINATOR} (host:port of process 0) must be set when "
+                       f"{ENV_NUM_PROCESSES}={num_processes}")
+    _configure_cpu(devices_per_process, multi_process=num_processes > 1)
+    if num_processes == 1:
+      _joined = Processes(0, 1, None, "single")
+      return _joined
+    host, port = _split_address(coordinator)
+    _rendezvous(host, port, process_id, num_processes, timeout_s)
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id, initialization_timeout=timeout_s)
+    _joined = Processes(process_id, num_processes, coordinator, "env")
+  elif _on_cloud_tpu_vm():
+    jax.distributed.initialize(initialization_timeout=timeout_s)
+    _joined = Processes(jax.process_index(), jax.process_count(), None, "tpu")
+  else:
+    _configure_cpu(devices_per_process, multi_process=False)
+    _joined = Processes(0, 1, None, "single")
+  return _joined
+
+
+def check_same_across_processes(arrays) -> None:
+  """Raises unless every process passes arrays of the same names, shapes and dtypes.
+
+  Call it before building global arrays from process-local data: a process whose inputs
+  disagree would otherwise make the first collective hang or compute garbage. The exchange
+  is one small all-gather of a fixed-size byte buffer, so it cannot itself mismatch.
+
+  Args:
+    arrays: {name: array-like with .shape and .dtype}, this process's inputs.
+
+  Raises:
+    ValueError: the processes disagree; the message lists each process's shapes.
+  """
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  mine = {name: [list(np.shape(x)), str(np.dtype(x.dtype))] for name, x in arrays.items()}
+  if jax.process_count() == 1:
+    return
+  encoded = json.dumps(mine, sort_keys=True).encode()
+  size = 4096
+  if len(encoded) > size:
+    raise ValueError(f"too many arrays to compare across processes ({len(encoded)} bytes of "
+                     f"description, at most {size})")
+  buf = np.zeros(size, np.uint8)
+  buf[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+  gathered = np.asarray(multihost_utils.process_allgather(buf))       # [P, size]
+  described = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in gathered]
+  if all(d == described[0] for d in described):
+    return
+  lines = []
+  for name in sorted(set().union(*described)):
+    per = [d.get(name) for d in described]
+    if any(p != per[0] for p in per):
+      got = ", ".join(f"process {i}: " + ("missing" if p is None else f"{tuple(p[0])} {p[1]}")
+                      for i, p in enumerate(per))
+      lines.append(f"{name}: {got}")
+  raise ValueError("inputs differ across processes (every process must pass the same "
+                   "shapes and dtypes before ring attention runs); "
+                   + "; ".join(lines))
+
+
+def _env_int(name: str, default: int | None, *, minimum: int) -> int | None:
+  raw = os.environ.get(name, "")
+  if not raw:
+    return default
+  try:
+    value = int(raw)
+  except ValueError:
+    raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+  if value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value}")
+  return value
+
+
+def _split_address(address: str) -> tuple[str, int]:
+  host, sep, port = address.rpartition(":")
+  if not sep or not host or not port.isdigit():
+    raise ValueError(f"{ENV_COORDINATOR} must be host:port, got {address!r}")
+  return host.strip("[]"), int(port)
+
+
+def _configure_cpu(devices_per_process: int | None, *, multi_process: bool) -> None:
+  """CPU device count and collectives; must precede backend initialization."""
+  if devices_per_process is None:
+    return
+  jax.config.update("jax_num_cpu_devices", devices_per_process)
+  if multi_process:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def _on_cloud_tpu_vm() -> bool:
+  """libtpu installed and TPU chips attached (v4/v5e: /dev/accel*, v5p/v6e: /dev/vfio/N)."""
+  if importlib.util.find_spec("libtpu") is None:
+    return False
+  return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def _rendezvous(host: str, port: int, process_id: int, num_processes: int,
+                timeout_s: int) -> None:
+  """Every process checks in with process 0 before JAX's coordination service starts."""
+  deadline = time.monotonic() + timeout_s
+  where = f"the coordinator (process 0) at {host}:{port}"
+  if process_id == 0:
+    _serve_rendezvous(port, num_processes, deadline, timeout_s, where)
+  else:
+    _join_rendezvous(host, port, process_id, num_processes, deadline, timeout_s, where)
+
+
+def _serve_rendezvous(port, num_processes, deadline, timeout_s, where) -> None:
+  try:
+    listener = socket.create_server(("", port), reuse_port=False)
+  except OSError as err:
+    raise RuntimeError(f"process 0 of {num_processes} could not listen on port {port} for "
+                       f"{where}: {err}") from err
+  joined: dict[int, socket.socket] = {}
+  try:
+    while len(joined) < num_processes - 1:
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        missing = sorted(set(range(1, num_processes)) - set(joined))
+        names = ", ".join(str(p) for p in missing)
+        message = (f"process(es) {names} of {num_processes} did not join {where} within "
+                   f"{timeout_s} s ({ENV_INIT_TIMEOUT_S})")
+        for conn in joined.values():
+          _send_line(conn, f"error {message}")
+        raise RuntimeError(f"process 0: {message}")
+      listener.settimeout(min(remaining, 1.0))
+      try:
+        conn, _ = listener.accept()
+      except TimeoutError:
+        continue
+      conn.settimeout(max(deadline - time.monotonic(), 0.1))
+      try:
+        words = _recv_line(conn).split()
+      except (OSError, ValueError):
+        conn.close()      # Not one of ours, or it went away: keep waiting for the others.
+        continue
+      problem = _check_hello(words, num_processes, joined)
+      if problem:
+        _send_line(conn, f"error {problem}")
+        conn.close()
+        continue
+      joined[int(words[1])] = conn
+    for conn in joined.values():
+      _send_line(conn, "go")
+    # Let the others hang up first, so that the port has no connection in TIME_WAIT on this
+    # side when JAX's coordination service binds it.
+    for conn in joined.values():
+      conn.settimeout(max(min(deadline - time.monotonic(), 5.0), 0.1))
+      try:
+        while conn.recv(64):
+          pass
+      except OSError:
+        pass
+  finally:
+    for conn in joined.values():
+      conn.close()
+    listener.close()
+
+
+def _check_hello(words, num_processes, joined) -> str | None:
+  if len(words) != 3 or words[0] != _HELLO or not words[1].isdigit() or not words[2].isdigit():
+    return f"unexpected greeting {' '.join(words)!r}"
+  pid, count = int(words[1]), int(words[2])
+  if count != num_processes:
+    return (f"process {pid} says {ENV_NUM_PROCESSES}={count}, process 0 says "
+            f"{num_processes}")
+  if not 1 <= pid < num_processes:
+    return f"{ENV_PROCESS_ID}={pid} is outside 1..{num_processes - 1}"
+  if pid in joined:
+    return f"two processes claim {ENV_PROCESS_ID}={pid}"
+  return None
+
+
+def _join_rendezvous(host, port, process_id, num_processes, deadline, timeout_s, where):
+  prefix = f"process {process_id} of {num_processes}"
+  conn = None
+  last_error = None
+  while conn is None:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+      raise RuntimeError(f"{prefix} could not reach {where} within {timeout_s} s "
+                         f"({ENV_INIT_TIMEOUT_S}); process 0 did not start or is unreachable "
+                         f"(last error: {last_error})")
+    try:
+      conn = socket.create_connection((host, port), timeout=min(remaining, 1.0))
+    except OSError as err:
+      last_error = err
+      time.sleep(min(_RETRY_S, max(deadline - time.monotonic(), 0)))
+  with conn:
+    try:
+      _send_line(conn, f"{_HELLO} {process_id} {num_processes}")
+      # A little past the deadline, so that process 0's answer naming the missing processes
+      # arrives before this side gives up.
+      conn.settimeout(max(deadline - time.monotonic(), 0.0) + _ANSWER_GRACE_S)
+      answer = _recv_line(conn)
+    except TimeoutError:
+      raise RuntimeError(f"{prefix} reached {where}, but not all processes joined within "
+                         f"{timeout_s} s ({ENV_INIT_TIMEOUT_S})") from None
+    except (OSError, ValueError) as err:
+      raise RuntimeError(f"{prefix}: {where} closed the connection before the job "
+                         f"started: {err}") from err
+  if answer != "go":
+    raise RuntimeError(f"{prefix}: {where} refused to start: {answer.removeprefix('error ')}")
+
+
+def _send_line(conn: socket.socket, text: str) -> None:
+  try:
+    conn.sendall(text.encode() + b"\n")
+  except OSError:
+    pass      # The peer is gone; it reports its own failure.
+
+
+def _recv_line(conn: socket.socket, limit: int = 4096) -> str:
+  data = b""
+  while not data.endswith(b"\n"):
+    chunk = conn.recv(limit)
+    if not chunk:
+      raise ValueError("connection closed")
+    data += chunk
+    if len(data) > limit:
+      raise ValueError("line too long")
+  return data.decode(errors="replace").strip()

@@ -1,0 +1,217 @@
+"""N processes of one job on this machine: CPU devices, gloo collectives over 127.0.0.1.
+
+Each process is `python -m ringflash.cli <job>` with the RINGFLASH_* contract of
+README.md ("Multi-host launch") in its environment. Its stdout and stderr go, line by line, to
+LOG_DIR/process_<id>.log and to the terminal prefixed `[<id>] `.
+
+Failure handling, every wait bounded:
+- the first process to exit with a non-zero status (or a signal) is the lost process; the
+  launcher names it, sends SIGTERM to the others at once and SIGKILL to any still alive
+  `stop_timeout_s` later;
+- a process that never joins: the others fail by themselves after RINGFLASH_INIT_TIMEOUT_S
+  (distributed.initialize's rendezvous), which the launcher then reports like any failure;
+- `timeout_s` (optional) bounds the whole job;
+- SIGINT/SIGTERM to the launcher stop every process the same way. (If the launcher itself is
+  SIGKILLed, its processes fail at their next write to the closed output pipe.)
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from ringflash.launch import distributed
+
+_KILL_WAIT_S = 10.0      # after SIGKILL, how long to wait for the kernel to reap a process
+_READER_JOIN_S = 5.0     # after a process ends, how long its output may still drain
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that nobody listens on right now."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def process_env(base: dict[str, str], *, process_id: int, processes: int,
+                devices_per_process: int, port: int, init_timeout_s: int) -> dict[str, str]:
+  """The environment of one process: `base` plus the contract of README.md ("Multi-host launch")."""
+  env = dict(base)
+  env.update({
+      distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
+      distributed.ENV_NUM_PROCESSES: str(processes),
+      distributed.ENV_PROCESS_ID: str(process_id),
+      distributed.ENV_DEVICES_PER_PROCESS: str(devices_per_process),
+      distributed.ENV_INIT_TIMEOUT_S: str(init_timeout_s),
+      "JAX_PLATFORMS": "cpu",
+      "PYTHONUNBUFFERED": "1",
+  })
+  return env
+
+
+def describe_exit(returncode: int) -> str:
+  if returncode < 0:
+    try:
+      return f"killed by signal {signal.Signals(-returncode).name}"
+    except ValueError:
+      return f"killed by signal {-returncode}"
+  return f"exited with status {returncode}"
+
+
+def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_dir: str,
+           stop_timeout_s: float = 60.0, init_timeout_s: int = 300,
+           timeout_s: float | None = None, port: int | None = None,
+           python: str = sys.executable, terminal: TextIO = sys.stdout) -> int:
+  """Runs `ringflash <job>` in `processes` processes; returns 0 iff all of them succeed.
+
+  Args:
+    job: the ringflash subcommand and its flags, e.g. ["check", "--seq_len=512"].
+    processes: N, processes to start.
+    devices_per_process: M, CPU devices of each process (the ring has N * M devices).
+    log_dir: one log file per process is written here (created if missing).
+    stop_timeout_s: once a process is lost, the others get SIGTERM; those still alive after
+      this many seconds get SIGKILL.
+    init_timeout_s: RINGFLASH_INIT_TIMEOUT_S of the processes.
+    timeout_s: if set, the whole job is stopped after this many seconds (a failure).
+    port: the coordinator's port on 127.0.0.1; None picks a free one.
+    python: the interpreter that runs the processes.
+    terminal: where the combined, prefixed output and the launcher's messages go.
+
+  Returns:
+    0 if every process exited with status 0, else 1.
+  """
+  if processes < 1 or devices_per_process < 1:
+    raise ValueError(f"processes={processes} and devices_per_process={devices_per_process} "
+                     f"must be >= 1")
+  if not job:
+    raise ValueError("job must name a ringflash subcommand, e.g. ['check']")
+  os.makedirs(log_dir, exist_ok=True)
+  port = free_port() if port is None else port
+  command = [python, "-m", "ringflash.cli", *job]
+  lock = threading.Lock()
+
+  def say(text: str) -> None:
+    with lock:
+      terminal.write(f"ringflash launch: {text}\n")
+      terminal.flush()
+
+  say(f"{processes} processes x {devices_per_process} CPU devices, coordinator "
+      f"127.0.0.1:{port}, logs in {log_dir}")
+  say(f"job: {' '.join(command[3:])}")
+  procs: list[subprocess.Popen] = []
+  logs = [os.path.join(log_dir, f"process_{i}.log") for i in range(processes)]
+  exits: queue.Queue[tuple[int, int]] = queue.Queue()
+  threads: list[threading.Thread] = []
+  previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
+  try:
+    for i in range(processes):
+      env = process_env(os.environ, process_id=i, processes=processes,
+                        devices_per_process=devices_per_process, port=port,
+                        init_timeout_s=init_timeout_s)
+      procs.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    for i, proc in enumerate(procs):
+      say(f"process {i}: pid {proc.pid}, log {logs[i]}")
+      threads.append(threading.Thread(target=_pump, args=(proc, i, logs[i], terminal, lock),
+                                      daemon=True))
+      threads.append(threading.Thread(target=_wait, args=(proc, i, exits), daemon=True))
+    for thread in threads:
+      thread.start()
+    status = _supervise(procs, exits, logs, say, stop_timeout_s=stop_timeout_s,
+                        deadline=None if timeout_s is None else time.monotonic() + timeout_s)
+  except KeyboardInterrupt:
+    say("interrupted; stopping all processes")
+    _stop(procs, stop_timeout_s, say)
+    status = 1
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
+  for thread in threads:
+    thread.join(_READER_JOIN_S)
+  return status
+
+
+def _supervise(procs, exits, logs, say, *, stop_timeout_s, deadline) -> int:
+  """Waits for the processes; on the first failure names it and stops the rest."""
+  done: dict[int, int] = {}
+  while len(done) < len(procs):
+    wait_s = None if deadline is None else deadline - time.monotonic()
+    if wait_s is not None and wait_s <= 0:
+      alive = [i for i in range(len(procs)) if i not in done]
+      say(f"the job ran past its timeout; stopping processes {alive}")
+      _stop(procs, stop_timeout_s, say)
+      return 1
+    try:
+      # A bounded get, so that SIGINT/SIGTERM and the deadline are seen promptly.
+      i, code = exits.get(timeout=1.0 if wait_s is None else min(wait_s, 1.0))
+    except queue.Empty:
+      continue
+    done[i] = code
+    if code == 0:
+      say(f"process {i} finished (status 0)")
+      continue
+    alive = [j for j in range(len(procs)) if j not in done]
+    say(f"lost process {i} (pid {procs[i].pid}): {describe_exit(code)}; see {logs[i]}")
+    if alive:
+      say(f"stopping processes {alive} (SIGTERM now, SIGKILL after {stop_timeout_s:g} s)")
+      _stop(procs, stop_timeout_s, say)
+    for j, proc in enumerate(procs):
+      if j != i and proc.returncode not in (None, 0):
+        say(f"process {j}: {describe_exit(proc.returncode)}")
+    say(f"FAILED: process {i} was lost")
+    return 1
+  say(f"all {len(procs)} processes finished")
+  return 0
+
+
+def _stop(procs, stop_timeout_s, say) -> None:
+  """SIGTERM to every live process, SIGKILL to those alive after stop_timeout_s."""
+  for proc in procs:
+    if proc.poll() is None:
+      proc.terminate()
+  deadline = time.monotonic() + stop_timeout_s
+  for proc in procs:
+    try:
+      proc.wait(max(deadline - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+      proc.kill()
+  for i, proc in enumerate(procs):
+    try:
+      proc.wait(_KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+      say(f"process {i} (pid {proc.pid}) did not exit even after SIGKILL")
+
+
+def _pump(proc, index: int, log_path: str, terminal: TextIO, lock) -> None:
+  """Copies one process's output to its log file and, prefixed, to the terminal."""
+  prefix = f"[{index}] "
+  with open(log_path, "w", encoding="utf-8") as log:
+    for raw in proc.stdout:
+      line = raw.decode("utf-8", errors="replace")
+      log.write(line)
+      log.flush()
+      with lock:
+        terminal.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+        terminal.flush()
+
+
+def _wait(proc, index: int, exits) -> None:
+  exits.put((index, proc.wait()))
+
+
+def _raise_interrupt(signum, frame):
+  del signum, frame
+  raise KeyboardInterrupt
+
+
+def _main_thread() -> bool:
+  return threading.current_thread() is threading.main_thread()
+
