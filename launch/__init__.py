@@ -1,7 +1,7 @@
 """Multi-host launch: distributed initialization and launchers (uses the public API only).
 
 Modules: `distributed` (initialize(), the cross-process input check; the environment
-contract is written down in README.md, "Multi-host launch"), `local` (N processes on this machine), `tpu` (gcloud fan-out over a
-TPU VM slice), `cli` (`ringflash launch`), `check` (`ringflash check`). Nothing is imported or
-initialized here.
+contract is written down in README.md, "Multi-host launch"), `local` (N processes on this
+machine), `tpu` (gcloud fan-out over a TPU VM slice), `cli` (`ringflash launch`), `check`
+(`ringflash check`). Nothing is imported or initialized here.
 """

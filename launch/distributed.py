@@ -1,6 +1,6 @@
 """Joining a multi-process JAX job: `initialize()` and the cross-process input check.
 
-How a process learns its place in the job (the contract is written down in README.md ("Multi-host launch")):
+How a process learns its place in the job (the contract: README.md, "Multi-host launch"):
 
 1. `RINGFLASH_NUM_PROCESSES` set: the explicit contract. Process `RINGFLASH_PROCESS_ID` of
    `RINGFLASH_NUM_PROCESSES` joins the coordinator at `RINGFLASH_COORDINATOR` (host:port,
@@ -76,7 +76,7 @@ _joined: Processes | None = None
 def initialize() -> Processes:
   """Joins the job this process belongs to; safe to call more than once.
 
-  Reads the environment contract of README.md ("Multi-host launch"). The second and later calls return the
+  Reads the environment contract (README.md, "Multi-host launch"). The second and later calls return the
   first call's answer without touching JAX again.
 
   Returns:

@@ -42,7 +42,7 @@ def ringflash(*args: str, timeout: float, env=None) -> subprocess.CompletedProce
 
 def start_process(process_id: int, num_processes: int, port: int, *args: str,
                   devices: int = 2, init_timeout_s: int = 60) -> subprocess.Popen:
-  """One process of a job, started by hand with the environment contract of README.md ("Multi-host launch")."""
+  """One process of a job, started by hand with the environment contract (README)."""
   env = job_env(RINGFLASH_COORDINATOR=f"127.0.0.1:{port}",
                 RINGFLASH_NUM_PROCESSES=str(num_processes),
                 RINGFLASH_PROCESS_ID=str(process_id),
