@@ -76,8 +76,8 @@ _joined: Processes | None = None
 def initialize() -> Processes:
   """Joins the job this process belongs to; safe to call more than once.
 
-  Reads the environment contract (README.md, "Multi-host launch"). The second and later calls return the
-  first call's answer without touching JAX again.
+  Reads the environment contract (README.md, "Multi-host launch"). The second and later
+  calls return the first call's answer without touching JAX again.
 
   Returns:
     This process's Processes.
