@@ -61,6 +61,9 @@ class KernelSpec:
     block_q: query rows per tile (resolved: an int dividing the local query length).
     block_k: key rows per tile (resolved: an int dividing the local key length).
     interpret: run Pallas kernels in interpret mode (set when the devices are CPUs).
+    window: None, or (left, right) non-negative ints, jax.nn's `local_window_size`: query
+      position i sees key positions j with i - left <= j <= i + right. Example: (3, 2) lets
+      query 6 see keys 3..8. Combined with `causal`, the right side is cut at j <= i.
   """
 
   scale: float
@@ -68,6 +71,7 @@ class KernelSpec:
   block_q: int
   block_k: int
   interpret: bool = False
+  window: tuple[int, int] | None = None
 
 
 def mask(q_pos, k_pos, q_seg, k_seg, spec: KernelSpec):
@@ -86,9 +90,46 @@ def mask(q_pos, k_pos, q_seg, k_seg, spec: KernelSpec):
   valid = jnp.ones((1, q_pos.shape[0], k_pos.shape[0]), dtype=jnp.bool_)
   if spec.causal:
     valid = valid & (k_pos[None, None, :] <= q_pos[None, :, None])
+  if spec.window is not None:
+    left, right = spec.window
+    # i - left <= j <= i + right, written as differences so no bound leaves int32.
+    diff = q_pos[None, :, None] - k_pos[None, None, :]           # i - j
+    valid = valid & (diff <= left) & (diff >= -right)
   if q_seg is not None:
     valid = valid & (q_seg[:, :, None] == k_seg[:, None, :])
   return valid
+
+
+def ranges_may_have_work(q_lo, q_hi, k_lo, k_hi, *, causal: bool, window):
+  """Whether queries with positions in [q_lo, q_hi] may see keys in [k_lo, k_hi].
+
+  Uses only comparisons and `&`, so it runs on Python ints, NumPy arrays (the ring's
+  planner, ringflash/layouts.py, counts tiles with it) and traced jnp scalars (the kernels
+  and the ring) alike: one rule decides what the planner counts and what the code skips.
+  Exact when both sets are full integer ranges; conservative (may say True for a pair
+  without valid entries) when they are not, e.g. striped positions 3, 11, 19, ...
+
+  Causal: some key j <= some query i  <=>  k_lo <= q_hi.
+  Window (left, right): some pair has -right <= i - j <= left  <=>
+    k_hi >= q_lo - left (the latest key reaches back to the earliest query's window) and
+    k_lo <= q_hi + right. Example, window (2, 0): queries 10..13 and keys 5..7 fail
+    (7 < 10 - 2); keys 5..8 pass (query 10 sees key 8).
+
+  Args:
+    q_lo, q_hi, k_lo, k_hi: int positions (scalars or arrays that broadcast).
+    causal: the spec's causal flag.
+    window: the spec's window, None or (left, right).
+
+  Returns:
+    bool (Python, NumPy or jnp, following the inputs).
+  """
+  ok = True
+  if causal:
+    ok = ok & (k_lo <= q_hi)
+  if window is not None:
+    left, right = window
+    ok = ok & (q_lo - k_hi <= left) & (k_lo - q_hi <= right)
+  return ok
 
 
 def block_may_have_work(q_pos, k_pos, spec: KernelSpec, q_seg=None, k_seg=None):
@@ -98,7 +139,8 @@ def block_may_have_work(q_pos, k_pos, spec: KernelSpec, q_seg=None, k_seg=None):
   at the pairs. False only when no pair can be valid: with causal masking, when the smallest
   key position exceeds the largest query position (contiguous layout, device i at ring step
   s holds the keys of device i - s mod P, so every step whose source lies after i is dead:
-  about half the hops); with segment ids, when in every batch row the query ids' range and
+  about half the hops); with a window, when the key range lies entirely outside the window
+  of the query range (see ranges_may_have_work); with segment ids, when in every batch row the query ids' range and
   the key ids' range are disjoint (packed documents: tiles of different documents).
   The ring calls it per hop, kernels per tile (for tile-skipping flags); a True still lets
   the exact mask decide pair by pair.
@@ -112,8 +154,9 @@ def block_may_have_work(q_pos, k_pos, spec: KernelSpec, q_seg=None, k_seg=None):
     A scalar bool (traced).
   """
   ok = jnp.bool_(True)
-  if spec.causal:
-    ok = ok & (jnp.min(k_pos) <= jnp.max(q_pos))
+  if spec.causal or spec.window is not None:
+    ok = ok & ranges_may_have_work(jnp.min(q_pos), jnp.max(q_pos), jnp.min(k_pos),
+                                   jnp.max(k_pos), causal=spec.causal, window=spec.window)
   if q_seg is not None and k_seg is not None:
     overlap = (jnp.min(k_seg, axis=1) <= jnp.max(q_seg, axis=1)) & (
         jnp.min(q_seg, axis=1) <= jnp.max(k_seg, axis=1))

@@ -66,7 +66,24 @@ def _finite_rows(x):
 
 
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
-  """Block-pair forward; see kernels/base.py for the contract."""
+  """Block-pair forward; see kernels/base.py for the contract.
+
+  A block pair with no valid entry (a dead ring hop: with causal masking and the contiguous
+  layout, about half of them) is skipped whole, with one conditional; otherwise empty
+  tiles are skipped one by one.
+  """
+  b, t, n, h = q.shape
+  refs = (q, k, v, q_pos, k_pos, q_seg, k_seg)
+
+  def empty():
+    return base.filled((b, t, n, h), 0.0, refs), base.filled((b, n, t), -jnp.inf, refs)
+
+  return lax.cond(base.block_may_have_work(q_pos, k_pos, spec, q_seg, k_seg),
+                  lambda: forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec), empty)
+
+
+def forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
+  """forward over every tile of the block pair (skipping the empty ones)."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   g = n // kh
@@ -128,7 +145,24 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
 
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
              dlse=None):
-  """Block-pair backward from the global out and lse; see kernels/base.py for the contract.
+  """Block-pair backward; see kernels/base.py for the contract and backward_tiles.
+
+  A block pair with no valid entry is skipped whole (zero gradients), as in forward.
+  """
+  refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
+
+  def zeros():
+    return tuple(base.filled(x.shape, 0.0, refs) for x in (q, k, v))
+
+  return lax.cond(
+      base.block_may_have_work(q_pos, k_pos, spec, q_seg, k_seg),
+      lambda: backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec, dlse),
+      zeros)
+
+
+def backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
+                   spec: base.KernelSpec, dlse=None):
+  """Backward over every tile of the block pair, from the global out and lse.
 
   With p = exp(s - lse) (final probabilities) and D = rowsum(dout * out) - dlse:
     dv = p^T dout,  dp = dout v^T,  ds = p * (dp - D),  dq = scale ds k,  dk = scale ds^T q.

@@ -5,7 +5,7 @@ device 2 holds query positions 512..767 and, at step 0, its own keys 512..767. B
 computes, it starts sending that K/V block to device 3 and receives device 1's (keys
 256..511), which it uses at step 1; at step 2 it holds device 0's (0..255) and at step 3
 device 3's (768..1023). With causal masking, step 3 gives device 2 only keys after its
-queries, so its kernel call is skipped; device 0 skips steps 1..3, device 3 none.
+queries: a dead hop, which costs no kernel work; device 0 has dead hops 1..3, device 3 none.
 The block held at the last step is not sent on: a forward ring makes P - 1 transfers.
 In general at step s device i holds the K/V of device
 (i - s) mod P, so every device sees every block after P - 1 transfers.
@@ -14,6 +14,25 @@ Backward: a second ring. dq accumulates at home; dk/dv accumulators travel with 
 block. After the last step one more transfer brings each accumulator to the device that
 owns the block: at step s the block of origin (i - s) sits on device i; after step P - 1 it
 sits on device i, with origin i + 1, and the final send i -> i + 1 delivers it home.
+
+Layouts, windows, both directions: the schedule comes from ringflash.layouts.plan_ring, a
+static plan of "lanes" (streams of K/V pieces, each moving +1 or -1 per step) and of the
+tiles each device computes at each hop (what the kernels skip; a lane past its last useful
+step is neither computed nor sent).
+Positions follow the layout (zigzag device 1 of 4, 16 tokens: 2 3 12 13), masks follow the
+positions. With a window the plan may stop a lane early: contiguous, P = 8, 16 tokens per
+device, window (5, 0): one lane +1 for steps 0..1, a single transfer, and the K/V never
+travel further. Window (40, 20): lane +1 for steps 0..3 and lane -1 for steps 1..2 (the
+keys of devices i-3..i+2). bidirectional=True on a full ring: the first half of each
+device's K/V rows travels +1, the second half -1, P steps each; every step computes on
+both halves, so both links of each device carry half the bytes.
+
+Dead hops: the ring calls the kernel at every hop, and the kernel skips a block pair with no
+valid entry whole (the xla backend with one conditional around it, the Pallas backends by
+their per-tile flags: no DMA, no matrix work). The ring has no conditional of its own: on
+TPU a conditional around the kernel keeps XLA's scheduler from starting the next K/V
+transfer before it (seen in the compiled v5p schedule of the backward ring), and the
+transfer must overlap the kernel.
 
 Everything carried across steps is float32; the output is cast to the input dtype once.
 This module knows the kernel contract only (a backend module with forward/backward), never
@@ -30,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ringflash import layouts
 from ringflash.kernels import base
 from ringflash.parallel.merge import merge
 
@@ -46,92 +66,165 @@ class Residuals(NamedTuple):
   kv_seg: jax.Array | None
 
 
-def _shift_perm(ring_size: int):
-  """Device j sends to device j + 1 (mod P)."""
-  return [(j, (j + 1) % ring_size) for j in range(ring_size)]
+def _shift_perm(ring_size: int, direction: int = 1):
+  """Device j sends to device j + direction (mod P)."""
+  return [(j, (j + direction) % ring_size) for j in range(ring_size)]
 
 
-def local_positions(axis_name: str, length: int):
-  """Global positions held by this device for the contiguous layout: [length] int32.
+def local_positions(axis_name: str, length: int, layout: str = "contiguous"):
+  """Global positions held by this device: [length] int32 (see ringflash/layouts.py).
 
-  Device i of the ring holds tokens i * length ... (i + 1) * length - 1.
+  Contiguous: device i of the ring holds tokens i * length ... (i + 1) * length - 1.
   """
-  return lax.axis_index(axis_name).astype(jnp.int32) * length + jnp.arange(length, dtype=jnp.int32)
+  ring_size = lax.axis_size(axis_name)
+  return layouts.device_positions(layout, lax.axis_index(axis_name), ring_size, length)
 
 
-def _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel):
+def _pieces(kv, parts: int):
+  """Splits each array of kv = (k, v, kv_pos, kv_seg) into `parts` equal runs of rows.
+
+  Rows are axis 1 of k, v [B, S, K, H] and kv_seg [B, S], axis 0 of kv_pos [S]. With
+  parts = 2 and S = 8, piece 0 holds rows 0..3 and piece 1 rows 4..7.
+  """
+  k, v, kv_pos, kv_seg = kv
+  size = k.shape[1] // parts
+
+  def cut(x, axis, p):
+    return None if x is None else lax.slice_in_dim(x, p * size, (p + 1) * size, axis=axis)
+
+  return [(cut(k, 1, p), cut(v, 1, p), cut(kv_pos, 0, p), cut(kv_seg, 1, p))
+          for p in range(parts)]
+
+
+def _phases(plan):
+  """Groups the ring's steps into runs with the same lanes moving and computing.
+
+  Returns [(start, stop, moving, computing)], steps start..stop-1, lane index tuples.
+  A lane moves its piece on at steps 0..last-1 and computes at steps first..last. Example,
+  P = 8, window lanes (+1, first 0, last 2) and (-1, first 1, last 1): step 0 moves both
+  and computes lane 0; step 1 moves lane 0 and computes both; step 2 computes lane 0.
+  """
+  out = []
+  for s in range(plan.steps):
+    moving = tuple(i for i, lane in enumerate(plan.lanes) if s < lane.last)
+    computing = tuple(i for i, lane in enumerate(plan.lanes) if lane.first <= s <= lane.last)
+    if out and out[-1][2:] == (moving, computing):
+      out[-1] = (out[-1][0], s + 1, moving, computing)
+    else:
+      out.append((s, s + 1, moving, computing))
+  return out
+
+
+def _run_phases(plan, body, carry):
+  """Runs body(step, carry, moving, computing) over every step of the plan.
+
+  A run of one step is traced inline; longer runs become one fori_loop each, so the
+  compiled program grows with the number of runs (at most 4), not with P.
+  """
+  for start, stop, moving, computing in _phases(plan):
+    fn = functools.partial(body, moving=moving, computing=computing)
+    if stop - start == 1:
+      carry = fn(jnp.int32(start), carry)
+    else:
+      carry = lax.fori_loop(start, stop, fn, carry)
+  return carry
+
+
+def _plan(q, k, spec, ring_size, layout, bidirectional):
+  return layouts.plan_ring(layout, ring_size, q.shape[1], k.shape[1], spec.block_q,
+                           spec.block_k, spec.causal, spec.window, bool(bidirectional))
+
+
+def _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel, layout="contiguous",
+             bidirectional=False):
   b, t, n, h = q.shape
-  q_pos = local_positions(axis_name, t)
-  kv_pos = local_positions(axis_name, k.shape[1])
-  perm = _shift_perm(ring_size)
+  plan = _plan(q, k, spec, ring_size, layout, bidirectional)
+  q_pos = local_positions(axis_name, t, layout)
+  kv_pos = local_positions(axis_name, k.shape[1], layout)
+  pieces = _pieces((k, v, kv_pos, kv_seg), plan.parts)
 
   refs = (q, k, v, q_pos, kv_pos, q_seg, kv_seg)
 
   def empty():
     return base.filled((b, t, n, h), 0.0, refs), base.filled((b, n, t), -jnp.inf, refs)
 
-  def step(o, lse, kv):
+  def hop(o, lse, kv):
     k_, v_, kp, ks = kv
-    o_i, lse_i = lax.cond(
-        base.block_may_have_work(q_pos, kp, spec, q_seg, ks),
-        lambda: kernel.forward(q, k_, v_, q_pos, kp, q_seg, ks, spec),
-        empty)
-    return merge(o, lse, o_i, lse_i)
+    # No conditional here: a dead hop is skipped inside the kernel (see module docstring).
+    return merge(o, lse, *kernel.forward(q, k_, v_, q_pos, kp, q_seg, ks, spec))
 
-  def body(_, carry):
-    o, lse, kv = carry
-    # Start the transfer of the block held now before computing on it: the two are
-    # independent, so the permute overlaps the kernel.
-    nxt = lax.ppermute(kv, axis_name, perm)
-    o, lse = step(o, lse, kv)
-    return o, lse, nxt
+  def body(s, carry, moving, computing):
+    o, lse, kvs = carry
+    # Start the transfers of the pieces held now before computing on them: the two are
+    # independent, so the permutes overlap the kernels.
+    nxt = list(kvs)
+    for i in moving:
+      nxt[i] = lax.ppermute(kvs[i], axis_name, _shift_perm(ring_size, plan.lanes[i].direction))
+    for i in computing:
+      o, lse = hop(o, lse, kvs[i])
+    return o, lse, tuple(nxt)
 
   o, lse = empty()
-  o, lse, kv = lax.fori_loop(0, ring_size - 1, body, (o, lse, (k, v, kv_pos, kv_seg)))
-  o, lse = step(o, lse, kv)
+  kvs = tuple(pieces[lane.part] for lane in plan.lanes)
+  o, lse, _ = _run_phases(plan, body, (o, lse, kvs))
   return o.astype(q.dtype), lse
 
 
-def _backward(res: Residuals, dout, dlse, spec, axis_name, ring_size, kernel):
+def _backward(res: Residuals, dout, dlse, spec, axis_name, ring_size, kernel,
+              layout="contiguous", bidirectional=False):
   q, k, v, out, lse, q_seg, kv_seg = res
-  q_pos = local_positions(axis_name, q.shape[1])
-  kv_pos = local_positions(axis_name, k.shape[1])
-  perm = _shift_perm(ring_size)
+  plan = _plan(q, k, spec, ring_size, layout, bidirectional)
+  q_pos = local_positions(axis_name, q.shape[1], layout)
+  kv_pos = local_positions(axis_name, k.shape[1], layout)
+  pieces = _pieces((k, v, kv_pos, kv_seg), plan.parts)
   refs = (q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg)
 
   def grads(kv):
     k_, v_, kp, ks = kv
+    return kernel.backward(q, k_, v_, out, lse, dout, q_pos, kp, q_seg, ks, spec, dlse=dlse)
 
-    def zeros():
-      return tuple(base.filled(x.shape, 0.0, refs) for x in (q, k_, v_))
+  def body(s, carry, moving, computing):
+    dq, kvs, dkvs = carry
+    nxt = list(kvs)
+    dkvs = list(dkvs)
+    for i in moving:
+      nxt[i] = lax.ppermute(kvs[i], axis_name, _shift_perm(ring_size, plan.lanes[i].direction))
+    for i in computing:
+      dq_i, dk_i, dv_i = grads(kvs[i])
+      dq = dq + dq_i
+      dkvs[i] = (dkvs[i][0] + dk_i, dkvs[i][1] + dv_i)
+    # Each accumulator travels with its piece, leaving only once this step has added to it.
+    for i in moving:
+      dkvs[i] = lax.ppermute(dkvs[i], axis_name, _shift_perm(ring_size, plan.lanes[i].direction))
+    return dq, tuple(nxt), tuple(dkvs)
 
-    return lax.cond(
-        base.block_may_have_work(q_pos, kp, spec, q_seg, ks),
-        lambda: kernel.backward(q, k_, v_, out, lse, dout, q_pos, kp, q_seg, ks, spec, dlse=dlse),
-        zeros)
+  kvs = tuple(pieces[lane.part] for lane in plan.lanes)
+  dkvs = tuple((base.filled(kv[0].shape, 0.0, refs),) * 2 for kv in kvs)
+  dq, _, dkvs = _run_phases(plan, body, (base.filled(q.shape, 0.0, refs), kvs, dkvs))
 
-  def step(dq, kv, dkv):
-    dq_i, dk_i, dv_i = grads(kv)
-    dk, dv = dkv
-    # The accumulators leave only once this step has added to them.
-    return dq + dq_i, lax.ppermute((dk + dk_i, dv + dv_i), axis_name, perm)
-
-  def body(_, carry):
-    dq, kv, dkv = carry
-    nxt = lax.ppermute(kv, axis_name, perm)
-    dq, dkv = step(dq, kv, dkv)
-    return dq, nxt, dkv
-
-  zeros_kv = base.filled(k.shape, 0.0, refs)
-  init = (base.filled(q.shape, 0.0, refs), (k, v, kv_pos, kv_seg), (zeros_kv, zeros_kv))
-  dq, kv, dkv = lax.fori_loop(0, ring_size - 1, body, init)
-  dq, (dk, dv) = step(dq, kv, dkv)
+  # Send every accumulator home. After its last step a lane's accumulator on device i
+  # belongs to device i - direction * last: full ring, P = 4, direction +1, last = 3:
+  # device 2 holds device 3's (2 - 3 = -1 = 3 mod 4), one more hop +1 brings it home;
+  # window lane with last = 2 on P = 8: device 5 holds device 3's and sends it 2 back.
+  dk_parts = [None] * plan.parts
+  dv_parts = [None] * plan.parts
+  for lane, (dk_l, dv_l) in zip(plan.lanes, dkvs):
+    shift = (-lane.direction * lane.last) % ring_size
+    if shift:
+      dk_l, dv_l = lax.ppermute((dk_l, dv_l), axis_name, _shift_perm(ring_size, shift))
+    p = lane.part
+    dk_parts[p] = dk_l if dk_parts[p] is None else dk_parts[p] + dk_l
+    dv_parts[p] = dv_l if dv_parts[p] is None else dv_parts[p] + dv_l
+  dk = jnp.concatenate(dk_parts, axis=1) if plan.parts > 1 else dk_parts[0]
+  dv = jnp.concatenate(dv_parts, axis=1) if plan.parts > 1 else dv_parts[0]
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnames=("spec", "axis_name", "ring_size", "kernel"))
+@functools.partial(jax.custom_vjp, nondiff_argnames=("spec", "axis_name", "ring_size", "kernel",
+                                                     "layout", "bidirectional"))
 def ring_attention_local(q, k, v, q_seg, kv_seg, spec: base.KernelSpec, axis_name: str,
-                         ring_size: int, kernel: ModuleType):
+                         ring_size: int, kernel: ModuleType, layout: str = "contiguous",
+                         bidirectional: bool = False):
   """Exact attention of local queries against the keys of the whole ring.
 
   Runs per device inside shard_map (or the caller's shard_map) over `axis_name`.
@@ -144,21 +237,29 @@ def ring_attention_local(q, k, v, q_seg, kv_seg, spec: base.KernelSpec, axis_nam
     axis_name: the ring's mesh axis.
     ring_size: number of devices along axis_name.
     kernel: backend module implementing the kernel contract.
+    layout: "contiguous", "zigzag" or "striped": which global positions this device holds
+      (ringflash/layouts.py); the masks follow the positions.
+    bidirectional: split K/V in two halves travelling in opposite directions (full ring).
 
   Returns:
     (out [B, T, N, H] in q's dtype, lse [B, N, T] float32).
   """
-  return _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel)
+  return _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel, layout,
+                  bidirectional)
 
 
-def _vjp_fwd(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel):
-  out, lse = _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel)
+def _vjp_fwd(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel, layout="contiguous",
+             bidirectional=False):
+  out, lse = _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel, layout,
+                      bidirectional)
   return (out, lse), Residuals(q, k, v, out, lse, q_seg, kv_seg)
 
 
-def _vjp_bwd(spec, axis_name, ring_size, kernel, res: Residuals, cotangents):
+def _vjp_bwd(spec, axis_name, ring_size, kernel, layout, bidirectional, res: Residuals,
+             cotangents):
   dout, dlse = cotangents
-  dq, dk, dv = _backward(res, dout, dlse, spec, axis_name, ring_size, kernel)
+  dq, dk, dv = _backward(res, dout, dlse, spec, axis_name, ring_size, kernel, layout,
+                         bidirectional)
   return dq, dk, dv, None, None
 
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ringflash import layouts
 from ringflash.kernels import BACKENDS
 from ringflash.kernels import base
 
@@ -23,6 +24,9 @@ class Checked:
   q_seg: jax.Array | None
   kv_seg: jax.Array | None
   backend: str
+  layout: str = "contiguous"
+  window: tuple[int, int] | None = None
+  bidirectional: bool = False
 
 
 def _shape(x, name):
@@ -34,7 +38,8 @@ def _shape(x, name):
 
 
 def check_inputs(query, key, value, *, segment_ids, scale, backend, ring_size: int,
-                 local: bool) -> Checked:
+                 local: bool, layout: str = "contiguous", local_window_size=None,
+                 bidirectional: bool = False) -> Checked:
   """Checks shapes, dtypes, options; returns resolved values.
 
   Args:
@@ -45,6 +50,10 @@ def check_inputs(query, key, value, *, segment_ids, scale, backend, ring_size: i
     ring_size: devices along the ring axis.
     local: True when the arrays are per-device shards (ring_attention_sharded): then the
       sequence lengths are local and need not divide by the ring size.
+    layout: "contiguous", "zigzag" or "striped"; zigzag needs global lengths divisible by
+      2 * ring_size (local lengths even).
+    local_window_size: None, int w (meaning (w, w)) or (left, right), non-negative.
+    bidirectional: bool; True needs an even local key length.
 
   Raises:
     ValueError: naming the argument, with expected vs got.
@@ -94,7 +103,72 @@ def check_inputs(query, key, value, *, segment_ids, scale, backend, ring_size: i
 
   if backend != "auto" and backend not in BACKENDS:
     raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
-  return Checked(scale=scale, q_seg=q_seg, kv_seg=kv_seg, backend=backend)
+
+  scale_t = ring_size if local else 1        # local lengths -> global lengths
+  for name, length in (("query", t), ("key", s)):
+    layouts.check_layout(layout, ring_size, length * scale_t,
+                         length_name=f"{name} sequence length" + (
+                             f" ({length} per device)" if local else ""))
+  window = _check_window(local_window_size, t * scale_t, s * scale_t)
+  if not isinstance(bidirectional, (bool, np.bool_)):
+    raise ValueError(f"bidirectional must be a bool, got {bidirectional!r}")
+  local_s = s if local else s // ring_size
+  if bidirectional and ring_size > 1 and local_s % 2:
+    raise ValueError(f"bidirectional=True splits each device's keys in two halves; the local "
+                     f"key length must be even, got {local_s}")
+  return Checked(scale=scale, q_seg=q_seg, kv_seg=kv_seg, backend=backend, layout=layout,
+                 window=window, bidirectional=bool(bidirectional))
+
+
+def _check_window(local_window_size, t: int, s: int):
+  """(left, right) from jax.nn's local_window_size (int w means (w, w)), or None.
+
+  Bounds beyond the sequence change nothing (every query i < t, key j < s, so i - j lies in
+  (-s, t)); they are clipped to left <= t, right <= s so positions +- bounds stay in int32
+  and equal windows share one compiled program.
+  """
+  if local_window_size is None:
+    return None
+
+  def is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+  if is_int(local_window_size):
+    pair = (local_window_size, local_window_size)
+  elif isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 and all(
+      is_int(x) for x in local_window_size):
+    pair = tuple(local_window_size)
+  else:
+    raise ValueError(f"local_window_size must be None, an int or a pair (left, right) of "
+                     f"ints, got {local_window_size!r}")
+  if min(pair) < 0:
+    raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
+  return (int(min(pair[0], t)), int(min(pair[1], s)))
+
+
+def block_units(block_sizes, layout: str, bidirectional: bool, ring_size: int, q_len: int,
+                kv_len: int) -> tuple[int, int]:
+  """The row runs that tiles must not straddle, from LOCAL lengths: (query, key).
+
+  zigzag: each device's rows are two chunks, so tiles divide the half (local 64 -> 32);
+  bidirectional: the keys travel in two halves, so key tiles divide the half.
+
+  Raises:
+    ValueError: naming block_sizes, when a given size does not divide its run.
+  """
+  why_q = why_k = None
+  if layout == "zigzag":
+    q_len, kv_len = q_len // 2, kv_len // 2
+    why_q = why_k = "zigzag chunk (local length / 2)"
+  elif bidirectional and ring_size > 1:
+    kv_len //= 2
+    why_k = "bidirectional half (local key length / 2)"
+  if isinstance(block_sizes, base.BlockSizes):
+    for name, given, run, why in (("block_q", block_sizes.block_q, q_len, why_q),
+                                  ("block_k", block_sizes.block_k, kv_len, why_k)):
+      if why is not None and given is not None and run % given:
+        raise ValueError(f"block_sizes.{name}={given} must divide the {why} {run}")
+  return q_len, kv_len
 
 
 def _check_segments(segment_ids, b, t, s):
@@ -146,9 +220,11 @@ def _available(name: str) -> bool:
 
 
 def resolve_spec(kernel, *, scale: float, causal: bool, block_sizes, q_len: int, kv_len: int,
-                 head_dim: int, dtype, platform: str, device_kind: str) -> base.KernelSpec:
+                 head_dim: int, dtype, platform: str, device_kind: str,
+                 window: tuple[int, int] | None = None) -> base.KernelSpec:
   """The kernel spec: tile sizes from the backend (its defaults, or the user's, checked).
 
+  q_len, kv_len: the runs tiles must divide (local lengths, or block_units of them).
   Pallas backends run in interpret mode when the devices are CPUs.
   """
   if block_sizes is None:
@@ -160,4 +236,4 @@ def resolve_spec(kernel, *, scale: float, causal: bool, block_sizes, q_len: int,
                                       dtype=jnp.dtype(dtype), device_kind=device_kind)
   interpret = kernel.NAME != "xla" and platform == "cpu"
   return base.KernelSpec(scale=scale, causal=causal, block_q=bq, block_k=bk,
-                         interpret=interpret)
+                         interpret=interpret, window=window)

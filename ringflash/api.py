@@ -19,7 +19,9 @@ from ringflash.parallel.ring import ring_attention_local
 def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: str = "sp",
                    is_causal: bool = False, scale: float | None = None, segment_ids=None,
                    return_residual: bool = False, backend: str = "auto",
-                   block_sizes: BlockSizes | None = None):
+                   block_sizes: BlockSizes | None = None, layout: str = "contiguous",
+                   local_window_size: int | tuple[int, int] | None = None,
+                   bidirectional: bool = False):
   """Exact attention with the sequence sharded over a ring of devices.
 
   Semantics of `jax.nn.dot_product_attention` (BTNH layout, GQA/MQA when N % K == 0), except
@@ -41,6 +43,16 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
     return_residual: also return lse [B, N, T] float32.
     backend: "auto" (native kernel of the mesh's devices), "xla", "pallas_tpu", "pallas_gpu".
     block_sizes: tile sizes for the backend; None for its defaults.
+    layout: how the sequence axis of every input (and segment ids, and the output) is laid
+      out over the ring: "contiguous" (natural order), "zigzag" or "striped" (permute with
+      ringflash.to_layout, restore with from_layout; see ringflash/layouts.py). zigzag and
+      striped balance causal work over the devices.
+    local_window_size: None, int w or (left, right): query i sees keys j with
+      i - left <= j <= i + right (jax.nn's meaning; w means (w, w)). With the contiguous
+      layout the ring stops after the hops the window reaches.
+    bidirectional: split K/V in two halves that travel around the ring in opposite
+      directions (both links of a bidirectional ring busy, half the bytes on each); same
+      result. A window that already shortens the ring keeps its own schedule.
 
   Returns:
     out [B, T, N, H] in query's dtype, sequence-sharded over `axis_name`; with
@@ -58,29 +70,35 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
                      f"{tuple(mesh.axis_names)}")
   ring_size = mesh.shape[axis_name]
   checked = _validate.check_inputs(query, key, value, segment_ids=segment_ids, scale=scale,
-                                   backend=backend, ring_size=ring_size, local=False)
+                                   backend=backend, ring_size=ring_size, local=False,
+                                   layout=layout, local_window_size=local_window_size,
+                                   bidirectional=bidirectional)
   device = mesh.devices.flat[0]
   kernel = get_backend(_validate.resolve_backend(checked.backend, device.platform, device))
+  q_unit, kv_unit = _validate.block_units(block_sizes, checked.layout, checked.bidirectional,
+                                          ring_size, query.shape[1] // ring_size,
+                                          key.shape[1] // ring_size)
   spec = _validate.resolve_spec(
       kernel, scale=checked.scale, causal=bool(is_causal), block_sizes=block_sizes,
-      q_len=query.shape[1] // ring_size, kv_len=key.shape[1] // ring_size,
-      head_dim=query.shape[3], dtype=query.dtype, platform=device.platform,
-      device_kind=device.device_kind)
+      q_len=q_unit, kv_len=kv_unit, head_dim=query.shape[3], dtype=query.dtype,
+      platform=device.platform, device_kind=device.device_kind, window=checked.window)
   batch, heads = _outer_axes(query, mesh, axis_name)
   _check_divisible(query, key, mesh, batch, heads)
 
   x_spec = P(batch, axis_name, heads, None)
   seg_spec = P(batch, axis_name)
   local = functools.partial(ring_attention_local, spec=spec, axis_name=axis_name,
-                            ring_size=ring_size, kernel=kernel)
+                            ring_size=ring_size, kernel=kernel, layout=checked.layout,
+                            bidirectional=checked.bidirectional)
   out_specs = (x_spec, P(batch, heads, axis_name))
+  # Pallas interpret mode evaluates kernels untyped by mesh axes: it needs check_vma off.
+  shard_map = functools.partial(jax.shard_map, mesh=mesh, out_specs=out_specs,
+                                check_vma=not spec.interpret)
   if checked.q_seg is None:
-    fn = jax.shard_map(lambda q, k, v: local(q, k, v, None, None), mesh=mesh,
-                       in_specs=(x_spec,) * 3, out_specs=out_specs)
+    fn = shard_map(lambda q, k, v: local(q, k, v, None, None), in_specs=(x_spec,) * 3)
     out, lse = fn(query, key, value)
   else:
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(x_spec,) * 3 + (seg_spec,) * 2,
-                       out_specs=out_specs)
+    fn = shard_map(local, in_specs=(x_spec,) * 3 + (seg_spec,) * 2)
     out, lse = fn(query, key, value, checked.q_seg, checked.kv_seg)
   return (out, lse) if return_residual else out
 
@@ -88,19 +106,23 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
 def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool = False,
                            scale: float | None = None, segment_ids=None,
                            return_residual: bool = False, backend: str = "auto",
-                           block_sizes: BlockSizes | None = None):
+                           block_sizes: BlockSizes | None = None, layout: str = "contiguous",
+                           local_window_size: int | tuple[int, int] | None = None,
+                           bidirectional: bool = False):
   """ring_attention on local shards, for use inside the caller's shard_map.
 
   The caller's shard_map must map `axis_name` with the sequence (dim 1 of every array)
-  split over it in device order (contiguous layout); batch and heads may be split over
+  split over it in device order: device i's shard is slice i of the (layout-ordered)
+  sequence, natural order for the contiguous layout; batch and heads may be split over
   other axes as the caller likes.
 
   Args:
     query: [B, T_local, N, H] this device's shard.
     key, value: [B, S_local, K, H].
     axis_name: the manual mesh axis forming the ring.
-    is_causal, scale, segment_ids, return_residual, backend, block_sizes: as ring_attention,
-      with local shapes.
+    is_causal, scale, segment_ids, return_residual, backend, block_sizes, layout,
+      local_window_size, bidirectional: as ring_attention, with local shapes (zigzag needs
+      even local lengths; window bounds are in global positions).
 
   Returns:
     out [B, T_local, N, H] (and lse [B, N, T_local] float32 with return_residual).
@@ -114,15 +136,21 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
     raise ValueError(f"axis_name {axis_name!r} is not a bound mesh axis here; call "
                      f"ring_attention_sharded inside shard_map over it") from err
   checked = _validate.check_inputs(query, key, value, segment_ids=segment_ids, scale=scale,
-                                   backend=backend, ring_size=ring_size, local=True)
+                                   backend=backend, ring_size=ring_size, local=True,
+                                   layout=layout, local_window_size=local_window_size,
+                                   bidirectional=bidirectional)
   platform, device = _current_platform()
   kernel = get_backend(_validate.resolve_backend(checked.backend, platform, device))
+  q_unit, kv_unit = _validate.block_units(block_sizes, checked.layout, checked.bidirectional,
+                                          ring_size, query.shape[1], key.shape[1])
   spec = _validate.resolve_spec(
       kernel, scale=checked.scale, causal=bool(is_causal), block_sizes=block_sizes,
-      q_len=query.shape[1], kv_len=key.shape[1], head_dim=query.shape[3], dtype=query.dtype,
-      platform=platform, device_kind=getattr(device, "device_kind", ""))
+      q_len=q_unit, kv_len=kv_unit, head_dim=query.shape[3], dtype=query.dtype,
+      platform=platform, device_kind=getattr(device, "device_kind", ""),
+      window=checked.window)
   out, lse = ring_attention_local(query, key, value, checked.q_seg, checked.kv_seg, spec=spec,
-                                  axis_name=axis_name, ring_size=ring_size, kernel=kernel)
+                                  axis_name=axis_name, ring_size=ring_size, kernel=kernel,
+                                  layout=checked.layout, bidirectional=checked.bidirectional)
   return (out, lse) if return_residual else out
 
 
@@ -139,7 +167,11 @@ def _outer_axes(query, mesh: Mesh, axis_name: str):
   """Mesh axes that query's batch and heads are sharded over, where the sharding is visible.
 
   Concrete arrays carry a NamedSharding; inside jit, tracers show theirs on meshes with
-  explicit axes. The ring axis is never taken for batch or heads.
+  explicit axes (jax.sharding.AxisType.Explicit, jax.make_mesh's default). Inside jit on a
+  mesh with Auto axes nothing is visible: batch and heads are then taken as unsharded over
+  the other axes (the compiler reshards to match); use an explicit mesh there, or call
+  ring_attention_sharded inside your own shard_map. The ring axis is never taken for batch
+  or heads.
   """
   spec = None
   sharding = getattr(query, "sharding", None) if not isinstance(query, jax.core.Tracer) else None

@@ -10,8 +10,13 @@ import jax
 import jax.numpy as jnp
 
 
-def attention(q, k, v, *, causal=False, scale=None, q_seg=None, kv_seg=None, upcast=True):
+def attention(q, k, v, *, causal=False, scale=None, q_seg=None, kv_seg=None, upcast=True,
+              window=None, q_pos=None, kv_pos=None):
   """Dense attention. q [B, T, N, H], k/v [B, S, K, H] -> (out [B, T, N, H], lse [B, N, T]).
+
+  window: None, int w or (left, right): query i sees keys j with i - left <= j <= i + right.
+  q_pos [T], kv_pos [S]: the positions of the rows (default 0..T-1, 0..S-1), for inputs
+  given in a permuted order.
 
   upcast=True computes in float32 at HIGHEST precision (the oracle); upcast=False computes in
   the inputs' dtype (the "plain bf16 implementation" of the bf16 error criterion).
@@ -26,8 +31,14 @@ def attention(q, k, v, *, causal=False, scale=None, q_seg=None, kv_seg=None, upc
   prec = jax.lax.Precision.HIGHEST
   logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=prec) * jnp.asarray(scale, q.dtype)
   valid = jnp.ones((1, 1, t, s), bool)
+  i = jnp.arange(t) if q_pos is None else jnp.asarray(q_pos)
+  j = jnp.arange(s) if kv_pos is None else jnp.asarray(kv_pos)
   if causal:
-    valid = valid & (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None])[None, None]
+    valid = valid & (j[None, :] <= i[:, None])[None, None]
+  if window is not None:
+    left, right = (window, window) if isinstance(window, int) else window
+    valid = valid & ((i[:, None] - j[None, :] <= left) & (j[None, :] - i[:, None] <= right))[
+        None, None]
   if q_seg is not None:
     valid = valid & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
   logits = jnp.where(valid, logits, -jnp.inf)

@@ -1,0 +1,392 @@
+"""Sequence layouts over the ring, and the plan that says which hops and tiles have work.
+
+A layout says which global positions each device of a ring of P devices holds; masks are
+functions of global positions, so a layout changes nothing but those positions. With global
+length T and L = T / P tokens per device:
+
+  contiguous  device i holds positions i*L ... i*L + L - 1.
+  zigzag      the sequence is cut into 2P chunks of c = L / 2; device i holds chunks i and
+              2P - 1 - i. P = 4, T = 16 (c = 2): device 0 holds 0 1 14 15, device 1 holds
+              2 3 12 13, device 2 holds 4 5 10 11, device 3 holds 6 7 8 9.
+  striped     token t lives on device t mod P, at local row t // P. P = 4, T = 16: device 1
+              holds 1 5 9 13.
+
+Which to use: with causal masking the contiguous layout gives device P-1 about P/2 times the
+mean work (it sees every earlier block, device 0 only its own), and the ring runs at the
+pace of its busiest device. zigzag and striped give every device the same work to within a
+tile (see `plan_ring` and `print_work_table`). zigzag keeps runs of c consecutive tokens
+together, so whole tiles on the diagonal chunks are skipped and block sizes stay free;
+striped spreads every tile over the whole sequence, so almost no causal tile is skipped
+outright but each is half masked. Prefer zigzag for causal training; striped when T / P is
+too short to cut in two chunks of whole tiles; contiguous for non-causal attention and for
+sliding windows, where it lets the ring stop after the hops the window needs.
+
+The caller permutes once, outside the model: a data loader applies `to_layout` to the
+tokens, labels and segment ids of each batch (as Llama 3's context parallelism does), every
+attention layer runs with `layout=...`, and `from_layout` restores natural order where it
+matters (e.g. for inspection). Per-token operations (embeddings, MLPs, the loss) do not care
+about the order; position embeddings must use the true positions, `layout_positions`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+from ringflash.kernels import base
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def check_layout(layout, ring_size: int, length: int, *, name: str = "layout",
+                 length_name: str = "length") -> None:
+  """Raises ValueError unless `layout` is known and a GLOBAL `length` fits it on the ring.
+
+  contiguous and striped need length % P == 0, zigzag length % (2P) == 0.
+  """
+  if layout not in LAYOUTS:
+    raise ValueError(f"{name} must be one of {LAYOUTS}, got {layout!r}")
+  if isinstance(ring_size, bool) or not isinstance(ring_size, (int, np.integer)) or ring_size < 1:
+    raise ValueError(f"ring_size must be a positive int, got {ring_size!r}")
+  parts = 2 * ring_size if layout == "zigzag" else ring_size
+  if length % parts:
+    what = f"2 * ring_size = {parts} (zigzag chunks)" if layout == "zigzag" else (
+        f"the ring size {ring_size}")
+    raise ValueError(f"{name}={layout!r}: {length_name} {length} must be divisible by {what}")
+
+
+def _positions(xp, layout: str, index, ring_size: int, local_len: int):
+  """Global positions of the `local_len` rows held by device `index` (xp: np or jnp).
+
+  `index` may be a traced scalar (the ring's lax.axis_index) or a NumPy int array
+  broadcasting against the rows (the planner's [P, 1] column of device indices).
+  """
+  rows = xp.arange(local_len, dtype=xp.int32)
+  if layout == "contiguous":
+    return index * local_len + rows
+  if layout == "striped":
+    # Row r of device i is token r * P + i: P = 4, device 1, rows 0..3 -> 1 5 9 13.
+    return rows * ring_size + index
+  # zigzag, c = local_len / 2. Rows 0..c-1 are chunk i, rows c..2c-1 chunk 2P-1-i; chunk m
+  # starts at m * c. P = 4, c = 2, device 1: rows 0 1 -> 2 3 (chunk 1), rows 2 3 -> 12 13
+  # (chunk 6).
+  c = local_len // 2
+  chunk = xp.where(rows < c, index, 2 * ring_size - 1 - index)
+  return chunk * c + rows % c
+
+
+def layout_positions(layout: str, ring_size: int, length: int) -> np.ndarray:
+  """[P, length / P] int32: row i lists the global positions device i holds, in local order.
+
+  Every row is increasing (the zigzag chunk i comes before chunk 2P-1-i).
+
+  Args:
+    layout: "contiguous", "zigzag" or "striped".
+    ring_size: P.
+    length: the GLOBAL sequence length.
+
+  Raises:
+    ValueError: unknown layout, or length not divisible by P (2P for zigzag).
+  """
+  check_layout(layout, ring_size, length)
+  index = np.arange(ring_size, dtype=np.int32)[:, None]
+  pos = _positions(np, layout, index, ring_size, length // ring_size)
+  return np.broadcast_to(pos, (ring_size, length // ring_size)).astype(np.int32)
+
+
+def device_positions(layout: str, index, ring_size: int, local_len: int):
+  """[local_len] int32 global positions of device `index` (traced inside shard_map)."""
+  return _positions(jnp, layout, jnp.asarray(index, jnp.int32), ring_size, local_len)
+
+
+def to_layout(x, layout: str, ring_size: int, axis: int = 1):
+  """Permutes a natural-order array into `layout` on a ring of `ring_size` devices.
+
+  The result, split into P equal slices along `axis`, gives device i its positions: slice i
+  is x at layout_positions(layout, P, n)[i]. zigzag, P = 2, n = 8: natural 0..7 becomes
+  0 1 6 7 | 2 3 4 5.
+
+  Args:
+    x: array (jax or NumPy) with the sequence along `axis`: q/k/v [B, T, N, H], segment ids
+      [B, T], tokens [B, T].
+    layout: "contiguous", "zigzag" or "striped".
+    ring_size: P, the size of the mesh axis the sequence is sharded over.
+    axis: the sequence axis.
+
+  Returns:
+    An array of x's shape and type, permuted along `axis`.
+
+  Raises:
+    ValueError: unknown layout, or x.shape[axis] not divisible by P (2P for zigzag).
+  """
+  order = layout_positions(layout, ring_size, _axis_len(x, axis)).reshape(-1)
+  return _take(x, order, axis, layout)
+
+
+def from_layout(y, layout: str, ring_size: int, axis: int = 1):
+  """Inverse of to_layout: from_layout(to_layout(x, L, P), L, P) == x.
+
+  Args:
+    y: array in `layout` order along `axis` (e.g. ring_attention's output [B, T, N, H]).
+    layout, ring_size, axis: as given to to_layout.
+
+  Returns:
+    y in natural order.
+
+  Raises:
+    ValueError: as to_layout.
+  """
+  order = layout_positions(layout, ring_size, _axis_len(y, axis)).reshape(-1)
+  # order[r] is the natural position of layout row r, so the row holding position t is
+  # argsort(order)[t].
+  return _take(y, np.argsort(order), axis, layout)
+
+
+def _axis_len(x, axis):
+  shape = getattr(x, "shape", None)
+  if shape is None:
+    raise ValueError(f"x must be an array, got {type(x).__name__}")
+  if not -len(shape) <= axis < len(shape):
+    raise ValueError(f"axis={axis} is out of range for an array of rank {len(shape)}")
+  return shape[axis]
+
+
+def _take(x, order, axis, layout):
+  if layout == "contiguous":
+    return x
+  if isinstance(x, np.ndarray):
+    return np.take(x, order, axis=axis)
+  return jnp.take(x, jnp.asarray(order, jnp.int32), axis=axis)
+
+
+# ----------------------------------------------------------------------------------------
+# The plan: which hops run, and how many tiles each device computes.
+
+
+@dataclasses.dataclass(frozen=True)
+class Lane:
+  """One stream of K/V pieces around the ring.
+
+  Every device starts a lane holding piece `part` of its own K/V rows. At step s it holds
+  the piece of device (i - direction * s) mod P: direction +1 sends i -> i + 1, so device 2
+  of 4 holds the pieces of 2, 1, 0, 3 at steps 0..3; direction -1 gives 2, 3, 0, 1. A lane
+  computes at steps first..last and makes `last` transfers (none after its last step).
+
+  Attributes:
+    part: which piece of the local K/V rows (of RingPlan.parts equal pieces).
+    direction: +1 or -1.
+    first: first step computed.
+    last: last step held and computed.
+  """
+
+  part: int
+  direction: int
+  first: int
+  last: int
+
+  def source(self, device, step, ring_size):
+    """The device whose piece `device` holds at `step` (NumPy or traced ints)."""
+    return (device - self.direction * step) % ring_size
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RingPlan:
+  """The ring's static schedule and per-hop tile counts (from plan_ring).
+
+  Attributes:
+    layout, ring_size: as given.
+    parts: K/V rows split into this many equal pieces (2: bidirectional ring, one per lane).
+    lanes: the streams of K/V pieces (see Lane). Unidirectional full ring: one lane,
+      direction +1, steps 0..P-1. Bidirectional: the first half of the rows travels +1,
+      the second half -1, both P steps. Truncated by a window: all rows +1 for steps
+      0..a (the a earlier neighbours) and, if keys of later devices are in the window, all
+      rows -1 for steps 1..b.
+    tiles: [P, P, parts] int: tiles[d, e, p] is the number of (query tile, key tile) pairs
+      of device d's queries against piece p of device e's K/V that may hold a valid pair
+      (base.ranges_may_have_work on the tiles' position ranges; exact for causal masks and,
+      with contiguous rows, for windows).
+  """
+
+  layout: str
+  ring_size: int
+  parts: int
+  lanes: tuple[Lane, ...]
+  tiles: np.ndarray
+
+  @property
+  def steps(self) -> int:
+    """Ring steps (the longest lane)."""
+    return max(lane.last for lane in self.lanes) + 1
+
+  @property
+  def transfers(self) -> int:
+    """K/V transfers of one forward pass, per device (the P - 1 of a full ring when < P)."""
+    return sum(lane.last for lane in self.lanes)
+
+  def lane_tiles(self, lane: Lane) -> np.ndarray:
+    """[P, lane.last + 1] int32: tiles device d computes at step s of `lane` (0 if skipped)."""
+    d = np.arange(self.ring_size)[:, None]
+    s = np.arange(lane.last + 1)[None, :]
+    counts = self.tiles[d, lane.source(d, s, self.ring_size), lane.part]
+    return np.where(s >= lane.first, counts, 0).astype(np.int32)
+
+  def work_per_device(self) -> np.ndarray:
+    """[P] int: tiles each device computes over the whole forward ring."""
+    return sum(self.lane_tiles(lane).sum(axis=1) for lane in self.lanes)
+
+  def hops_per_device(self) -> np.ndarray:
+    """[P] int: kernel calls each device makes (hops with at least one tile)."""
+    return sum((self.lane_tiles(lane) > 0).sum(axis=1) for lane in self.lanes)
+
+
+def _tile_ranges(pos: np.ndarray, block: int):
+  """First and last position of each tile of `block` rows: [..., n / block] each.
+
+  Rows are increasing within a device (see layout_positions), so a tile's smallest position
+  is its first row and its largest its last row.
+  """
+  tiles = pos.reshape(pos.shape[:-1] + (pos.shape[-1] // block, block))
+  return tiles[..., 0], tiles[..., -1]
+
+
+def _count_tiles(q_lo, q_hi, k_lo, k_hi, causal, window) -> int:
+  """Number of (q tile, k tile) pairs passing base.ranges_may_have_work.
+
+  Both tile lists are increasing, so for query tile i the passing key tiles form the run
+  j in [first_i, end_i): the upper bounds (causal k_lo <= q_hi, window k_lo <= q_hi + right)
+  keep a prefix of the k_lo list, the lower bound (k_hi >= q_lo - left) a suffix of the
+  k_hi list; binary search finds both. Example, causal, q tiles [8..11], k tile starts
+  0 4 8 12: k_lo <= 11 keeps the first 3 (end = 3), no lower bound (first = 0): 3 tiles.
+  """
+  end = np.full(q_lo.shape, len(k_lo))
+  first = np.zeros(q_lo.shape, dtype=np.int64)
+  if causal:
+    end = np.minimum(end, np.searchsorted(k_lo, q_hi, side="right"))
+  if window is not None:
+    left, right = window
+    end = np.minimum(end, np.searchsorted(k_lo, q_hi + right, side="right"))
+    first = np.searchsorted(k_hi, q_lo - left, side="left")
+  return int(np.maximum(end - first, 0).sum())
+
+
+@functools.lru_cache(maxsize=256)
+def plan_ring(layout: str, ring_size: int, q_len: int, kv_len: int, block_q: int,
+              block_k: int, causal: bool, window: tuple[int, int] | None = None,
+              bidirectional: bool = False) -> RingPlan:
+  """Which hops each device computes and how many tiles: the ring follows this plan.
+
+  Hop choice. Let N be the set of offsets o (device d uses the K/V of device d - o mod P)
+  with work on some device. The ring must visit every offset in N; a lane going +1 visits
+  0, 1, ..., a; one going -1 visits P-1, ..., P-b. The plan takes the smallest a + b
+  covering N. Without a window N is everything (or, contiguous causal, 0..P-1 anyway) and
+  the full ring of P - 1 transfers runs. Contiguous, P = 8, L = 64 tokens per device,
+  window (100, 0): device d needs devices d-1 and d-2 (keys down to 64d - 100), so
+  N = {0, 1, 2}, a = 2, b = 0: two transfers instead of seven, and K/V never travel
+  further. Window (100, 100): N = {0, 1, 2, 6, 7}, a = 2, b = 2.
+  `bidirectional` splits K/V rows in two halves on opposite lanes of the full ring; when a
+  window already truncates the ring, that schedule is kept (it uses both directions when
+  the window reaches both ways).
+
+  Tile counts use base.ranges_may_have_work on each tile's position range: the same test
+  the kernels use to skip tiles, so the counts are the tiles the kernels compute (the xla
+  kernel's exact per-tile mask can skip a few more for striped windows).
+
+  Args:
+    layout: "contiguous", "zigzag" or "striped".
+    ring_size: P.
+    q_len, kv_len: LOCAL query and key lengths per device.
+    block_q, block_k: tile sizes; block_q must divide q_len, block_k must divide kv_len
+      (kv_len / 2 when bidirectional). The public API also makes them divide the zigzag
+      chunks (q_len / 2, kv_len / 2), so that no tile straddles two chunks.
+    causal: causal masking.
+    window: None or (left, right).
+    bidirectional: split K/V over two opposite lanes.
+
+  Returns:
+    A RingPlan.
+
+  Raises:
+    ValueError: naming the argument, when lengths and blocks do not fit.
+  """
+  check_layout(layout, ring_size, q_len * ring_size, length_name="query length")
+  check_layout(layout, ring_size, kv_len * ring_size, length_name="key length")
+  full_tiles = _tile_counts(layout, ring_size, q_len, kv_len, block_q, block_k, causal,
+                            window, parts=1)
+  p = ring_size
+  offsets = np.arange(p)
+  d = np.arange(p)[:, None]
+  needed = full_tiles[d, (d - offsets[None, :]) % p, 0].sum(axis=0) > 0     # [P] by offset
+  needed[0] = True
+  best = (p - 1, 0)
+  for a in range(p):
+    later = [o for o in range(a + 1, p) if needed[o]]
+    b = p - min(later) if later else 0
+    if a + b < sum(best):
+      best = (a, b)
+  a, b = best
+  if a + b < p - 1:
+    lanes = (Lane(part=0, direction=1, first=0, last=a),)
+    if b:
+      lanes += (Lane(part=0, direction=-1, first=1, last=b),)
+    return RingPlan(layout, p, 1, lanes, full_tiles)
+  if bidirectional and p > 1:
+    if kv_len % 2:
+      raise ValueError(f"bidirectional=True splits the local keys in two halves; the local "
+                       f"key length {kv_len} must be even")
+    tiles = _tile_counts(layout, p, q_len, kv_len, block_q, block_k, causal, window, parts=2)
+    lanes = (Lane(part=0, direction=1, first=0, last=p - 1),
+             Lane(part=1, direction=-1, first=0, last=p - 1))
+    return RingPlan(layout, p, 2, lanes, tiles)
+  return RingPlan(layout, p, 1, (Lane(part=0, direction=1, first=0, last=p - 1),),
+                  full_tiles)
+
+
+def _tile_counts(layout, ring_size, q_len, kv_len, block_q, block_k, causal, window, parts):
+  piece = kv_len // parts
+  if q_len % block_q:
+    raise ValueError(f"block_q={block_q} must divide the local query length {q_len}")
+  if piece % block_k:
+    raise ValueError(f"block_k={block_k} must divide the local key piece length {piece}")
+  q_pos = layout_positions(layout, ring_size, q_len * ring_size)
+  k_pos = layout_positions(layout, ring_size, kv_len * ring_size)
+  q_lo, q_hi = _tile_ranges(q_pos, block_q)                           # [P, nq]
+  k_lo, k_hi = _tile_ranges(k_pos.reshape(ring_size, parts, piece), block_k)  # [P, parts, nk]
+  tiles = np.zeros((ring_size, ring_size, parts), dtype=np.int64)
+  for dq in range(ring_size):
+    for dk in range(ring_size):
+      for part in range(parts):
+        tiles[dq, dk, part] = _count_tiles(q_lo[dq], q_hi[dq], k_lo[dk, part], k_hi[dk, part],
+                                           causal, window)
+  return tiles
+
+
+def work_table(ring_size: int = 8, seq_len: int = 8192, block: int = 128, *,
+               causal: bool = True, window: tuple[int, int] | None = None) -> dict:
+  """Per-device tiles of each layout: {layout: [P] int array}, self-attention of seq_len.
+
+  Block sizes: `block` for contiguous and striped; for zigzag the same `block` (it must
+  divide the chunk seq_len / (2P)).
+  """
+  out = {}
+  for layout in LAYOUTS:
+    local = seq_len // ring_size
+    plan = plan_ring(layout, ring_size, local, local, block, block, causal, window)
+    out[layout] = plan.work_per_device()
+  return out
+
+
+def print_work_table(ring_size: int = 8, seq_len: int = 8192, block: int = 128, *,
+                     causal: bool = True, window: tuple[int, int] | None = None) -> dict:
+  """Prints the per-device work (tiles computed) of each layout and max/mean; returns it."""
+  table = work_table(ring_size, seq_len, block, causal=causal, window=window)
+  print(f"per-device work in {block}x{block} tiles: P={ring_size}, T={seq_len}, "
+        f"causal={causal}, window={window}")
+  print(f"{'layout':<11} {'max':>6} {'mean':>8} {'max/mean':>8}  per device")
+  for layout, work in table.items():
+    mean = float(np.mean(work))
+    print(f"{layout:<11} {int(work.max()):>6} {mean:>8.1f} {work.max() / mean:>8.3f}  "
+          f"{' '.join(str(int(w)) for w in work)}")
+  return table
