@@ -123,6 +123,11 @@ def main(argv):
   print(f"  outputs     {_gib(mem.output_size_in_bytes)}")
   print(f"one device holding the full [B, N, T, S] fp32 scores: {_gib(scores)} "
         f"({scores / max(mem.temp_size_in_bytes, 1):.0f}x the ring's temporaries)")
+  if FLAGS.causal:
+    from ringflash import layouts  # pylint: disable=g-import-not-at-top
+    print("\nthe ring waits for its busiest device; causal load balance of each layout:")
+    layouts.print_work_table(p, t, layouts.balance_block(t, p))
+
   tol = 1e-4 if dtype == jnp.float32 else 5e-2
   verdict = "PASS" if worst <= tol else "FAIL"
   print(f"\n{verdict}: largest error relative to max(1, |reference|) = {worst:.2e} "

@@ -378,6 +378,12 @@ def work_table(ring_size: int = 8, seq_len: int = 8192, block: int = 128, *,
   return out
 
 
+def balance_block(seq_len: int, ring_size: int, cap: int = 512) -> int:
+  """A tile size that every layout's plan accepts: divides the zigzag chunk seq_len / 2P."""
+  chunk = seq_len // (2 * ring_size)
+  return max(d for d in range(1, min(cap, chunk) + 1) if chunk % d == 0)
+
+
 def print_work_table(ring_size: int = 8, seq_len: int = 8192, block: int = 128, *,
                      causal: bool = True, window: tuple[int, int] | None = None) -> dict:
   """Prints the per-device work (tiles computed) of each layout and max/mean; returns it."""
