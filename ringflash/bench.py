@@ -1,0 +1,300 @@
+"""`ringflash bench`: per-device attention throughput against cuDNN, measured in one process.
+
+Modes (--mode):
+  kernels  TFLOP/s of ringflash's kernel (the native backend, pallas_gpu on Hopper), cuDNN
+           (jax.nn.dot_product_attention(implementation="cudnn")) and the xla backend, for
+           B=1, N=16, H=128, T=S in --seq_lens, causal and non-causal, bf16, plus GQA rows
+           (16 query heads, 4 kv heads). Forward and forward+backward. A table with the
+           ratio to cuDNN, JSON, and a PNG plot (TFLOP/s against sequence length).
+  virtual  the ring's per-step cost on one GPU: P ring steps (the local K/V block standing
+           in for the received one; kernel + LSE merge, as parallel/ring.py runs them)
+           against one kernel call over the whole length P * T_local.
+  scaling  weak scaling over the local GPUs: ring_attention on P = 1, 2, 4, ... devices with
+           T/P per device in --seq_lens; efficiency = per-device TFLOP/s of the ring at P over
+           the single-device kernel at the same per-device length.
+
+FLOP convention (FlashAttention): forward 4 * B * N * T * S * H, halved when causal;
+forward+backward = 3.5x forward. Time: median of --iters calls after --warmup calls, wall
+clock around block_until_ready.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+from absl import flags
+
+_MODE = flags.DEFINE_enum("mode", "kernels", ["kernels", "virtual", "scaling"], "what to run")
+_SEQ = flags.DEFINE_list("seq_lens", ["4096", "16384", "65536"],
+                         "sequence lengths (kernels: T = S; virtual, scaling: per device)")
+_HEADS = flags.DEFINE_integer("heads", 16, "query heads N")
+_KV_HEADS = flags.DEFINE_list("kv_heads", ["16", "4"], "kv heads K per row group (16:4 = GQA)")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "head dim H")
+_BATCH = flags.DEFINE_integer("batch", 1, "batch B")
+_CAUSAL = flags.DEFINE_list("causal", ["false", "true"], "causal settings to run")
+_IMPLS = flags.DEFINE_list("impls", ["ringflash", "cudnn", "xla"], "implementations")
+_XLA_MAX = flags.DEFINE_integer("xla_max_len", 16384, "skip the xla backend above this T")
+_GQA_LENS = flags.DEFINE_list("gqa_seq_lens", ["16384"], "sequence lengths of the GQA rows")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "untimed calls")
+_ITERS = flags.DEFINE_integer("iters", 5, "timed calls (median)")
+_RING = flags.DEFINE_list("ring_sizes", ["2", "4", "8"], "virtual: ring steps P")
+_OUT = flags.DEFINE_string("out", "bench_out", "folder for JSON and PNG")
+_BWD = flags.DEFINE_bool("backward", True, "also time forward+backward")
+
+
+def _flops(b, n, t, s, h, causal):
+  f = 4.0 * b * n * t * s * h
+  return f / 2 if causal else f
+
+
+def _time(fn, *args):
+  import jax  # pylint: disable=g-import-not-at-top
+  for _ in range(_WARMUP.value):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(_ITERS.value):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _inputs(b, t, n, kh, h):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(kq, (b, t, n, h), jnp.bfloat16)
+  k = jax.random.normal(kk, (b, t, kh, h), jnp.bfloat16)
+  v = jax.random.normal(kv, (b, t, kh, h), jnp.bfloat16)
+  do = jax.random.normal(kd, (b, t, n, h), jnp.bfloat16)
+  return q, k, v, do
+
+
+def _attention_fns(impl, causal, mesh):
+  """(forward, forward+backward) jitted callables of q, k, v, do for one implementation."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import ringflash  # pylint: disable=g-import-not-at-top
+
+  if impl == "cudnn":
+    def f(q, k, v):
+      return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+  else:
+    backend = "auto" if impl == "ringflash" else impl
+
+    def f(q, k, v):
+      return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal, backend=backend)
+
+  fwd = jax.jit(f)
+
+  @jax.jit
+  def fwd_bwd(q, k, v, do):
+    out, vjp = jax.vjp(f, q, k, v)
+    dq, dk, dv = vjp(do)
+    return out, dq, dk, dv
+
+  del jnp
+  return fwd, fwd_bwd
+
+
+def _run_kernels(mesh):
+  rows = []
+  groups = [(kh, [int(x) for x in (_SEQ.value if kh == _HEADS.value else _GQA_LENS.value)])
+            for kh in map(int, _KV_HEADS.value)]
+  for kh, lens in groups:
+    for t in lens:
+      for causal in [c.lower() == "true" for c in _CAUSAL.value]:
+        q, k, v, do = _inputs(_BATCH.value, t, _HEADS.value, kh, _HEAD_DIM.value)
+        flops = _flops(_BATCH.value, _HEADS.value, t, t, _HEAD_DIM.value, causal)
+        row = {"T": t, "N": _HEADS.value, "K": kh, "H": _HEAD_DIM.value, "causal": causal}
+        for impl in _IMPLS.value:
+          if impl == "xla" and t > _XLA_MAX.value:
+            continue
+          fwd, fwd_bwd = _attention_fns(impl, causal, mesh)
+          try:
+            tf = _time(fwd, q, k, v)
+            row[f"{impl}_fwd"] = flops / tf / 1e12
+            if _BWD.value:
+              tb = _time(fwd_bwd, q, k, v, do)
+              row[f"{impl}_fwdbwd"] = 3.5 * flops / tb / 1e12
+          except (RuntimeError, ValueError, NotImplementedError) as err:
+            # One implementation failing (e.g. cuDNN unavailable) must not hide the others.
+            row[f"{impl}_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        rows.append(row)
+        _print_row(row)
+  return rows
+
+
+def _print_row(row):
+  def get(key):
+    x = row.get(key)
+    return f"{x:7.1f}" if isinstance(x, float) else "      -"
+
+  def ratio(a, b):
+    x, y = row.get(a), row.get(b)
+    return f"{x / y:5.2f}x" if isinstance(x, float) and isinstance(y, float) else "    -"
+
+  print(f"T={row['T']:>6} N={row['N']:>2} K={row['K']:>2} causal={str(row['causal']):<5} | "
+        f"fwd ours {get('ringflash_fwd')} cudnn {get('cudnn_fwd')} xla {get('xla_fwd')} "
+        f"ratio {ratio('ringflash_fwd', 'cudnn_fwd')} | fwd+bwd ours "
+        f"{get('ringflash_fwdbwd')} cudnn {get('cudnn_fwdbwd')} xla {get('xla_fwdbwd')} "
+        f"ratio {ratio('ringflash_fwdbwd', 'cudnn_fwdbwd')}", flush=True)
+  for key, val in row.items():
+    if key.endswith("_error"):
+      print(f"    {key}: {val}", flush=True)
+
+
+def _plot(rows, path):
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    print("matplotlib is not installed: no PNG written (pip install 'ringflash[bench]')")
+    return
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for ax, phase in zip(axes, ("fwd", "fwdbwd")):
+    for impl in _IMPLS.value:
+      for causal in (False, True):
+        pts = sorted((r["T"], r[f"{impl}_{phase}"]) for r in rows
+                     if r["K"] == r["N"] and r["causal"] == causal and f"{impl}_{phase}" in r)
+        if pts:
+          ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                  linestyle="--" if causal else "-",
+                  label=f"{impl}{' causal' if causal else ''}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length T = S")
+    ax.set_ylabel("TFLOP/s per device")
+    ax.set_title("forward" if phase == "fwd" else "forward + backward")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}")
+
+
+def _run_virtual():
+  """P ring steps on one device vs one kernel call over P * T_local keys."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ringflash import _validate  # pylint: disable=g-import-not-at-top
+  from ringflash.kernels import base, get_backend  # pylint: disable=g-import-not-at-top
+  from ringflash.parallel.merge import merge  # pylint: disable=g-import-not-at-top
+
+  dev = jax.devices()[0]
+  kernel = get_backend(_validate.resolve_backend("auto", dev.platform, dev))
+  rows = []
+  n, h, b = _HEADS.value, _HEAD_DIM.value, _BATCH.value
+  for tl in map(int, _SEQ.value):
+    for p in map(int, _RING.value):
+      for kh in map(int, _KV_HEADS.value):
+        q, k, v, _ = _inputs(b, tl, n, kh, h)
+        spec = _validate.resolve_spec(kernel, scale=h ** -0.5, causal=False,
+                                      block_sizes=base.BlockSizes(), q_len=tl, kv_len=tl,
+                                      head_dim=h, dtype=q.dtype, platform=dev.platform,
+                                      device_kind=dev.device_kind)
+        pos = jnp.arange(tl, dtype=jnp.int32)
+
+        @jax.jit
+        def ring_steps(q, k, v, spec=spec, p=p):
+          # step s: the local block stands in for the one received from device i - s;
+          # its positions move with it, as in parallel/ring.py (non-causal: all valid).
+          def body(s, carry):
+            o, lse = carry
+            o_i, lse_i = kernel.forward(q, k, v, pos, pos + s * tl, None, None, spec)
+            return merge(o, lse, o_i, lse_i)
+          init = (jnp.zeros((b, tl, n, h), jnp.float32),
+                  jnp.full((b, n, tl), -jnp.inf, jnp.float32))
+          o, lse = jax.lax.fori_loop(0, p, body, init)
+          return o.astype(q.dtype), lse
+
+        kw, vw = jnp.tile(k, (1, p, 1, 1)), jnp.tile(v, (1, p, 1, 1))
+        spec_w = _validate.resolve_spec(kernel, scale=h ** -0.5, causal=False,
+                                        block_sizes=base.BlockSizes(), q_len=tl,
+                                        kv_len=tl * p, head_dim=h, dtype=q.dtype,
+                                        platform=dev.platform, device_kind=dev.device_kind)
+        pos_w = jnp.arange(tl * p, dtype=jnp.int32)
+
+        @jax.jit
+        def one_call(q, k, v, spec_w=spec_w, pos_w=pos_w):
+          o, lse = kernel.forward(q, k, v, pos, pos_w, None, None, spec_w)
+          return o.astype(q.dtype), lse
+
+        t_ring = _time(ring_steps, q, k, v)
+        t_one = _time(one_call, q, kw, vw)
+        flops = _flops(b, n, tl, tl * p, h, False)
+        row = {"T_local": tl, "P": p, "K": kh, "ring_ms": t_ring * 1e3, "one_ms": t_one * 1e3,
+               "overhead": t_ring / t_one - 1.0, "ring_tflops": flops / t_ring / 1e12,
+               "one_tflops": flops / t_one / 1e12, "backend": kernel.NAME}
+        rows.append(row)
+        print(f"T_local={tl:>6} P={p} K={kh:>2}: {p} ring steps {t_ring * 1e3:8.2f} ms "
+              f"({row['ring_tflops']:.1f} TFLOP/s) vs one call {t_one * 1e3:8.2f} ms "
+              f"({row['one_tflops']:.1f} TFLOP/s): overhead {100 * row['overhead']:+.1f}%",
+              flush=True)
+  return rows
+
+
+def _run_scaling():
+  """Weak scaling: per-device length fixed, P = 1, 2, 4, ... local devices."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  devs = jax.devices()
+  sizes = [p for p in (1, 2, 4, 8, 16, 32, 64) if p <= len(devs)]
+  rows = []
+  base_tf = {}
+  for tl in map(int, _SEQ.value):
+    for kh in map(int, _KV_HEADS.value):
+      for causal in [c.lower() == "true" for c in _CAUSAL.value]:
+        for p in sizes:
+          mesh = Mesh(np.array(devs[:p]), ("sp",))
+          t = tl * p
+          q, k, v, do = _inputs(_BATCH.value, t, _HEADS.value, kh, _HEAD_DIM.value)
+          sh = NamedSharding(mesh, P(None, "sp", None, None))
+          q, k, v, do = (jax.device_put(x, sh) for x in (q, k, v, do))
+          fwd, fwd_bwd = _attention_fns("ringflash", causal, mesh)
+          flops = _flops(_BATCH.value, _HEADS.value, t, t, _HEAD_DIM.value, causal) / p
+          tf = flops / _time(fwd, q, k, v) / 1e12
+          tb = 3.5 * flops / _time(fwd_bwd, q, k, v, do) / 1e12 if _BWD.value else None
+          key = (tl, kh, causal)
+          if p == 1:
+            base_tf[key] = (tf, tb)
+          b0 = base_tf.get(key, (None, None))
+          row = {"P": p, "T_local": tl, "K": kh, "causal": causal, "fwd_tflops": tf,
+                 "fwdbwd_tflops": tb,
+                 "fwd_eff": tf / b0[0] if b0[0] else None,
+                 "fwdbwd_eff": tb / b0[1] if (tb and b0[1]) else None}
+          rows.append(row)
+          print(f"P={p} T/P={tl} K={kh} causal={causal}: fwd {tf:.1f} TFLOP/s/dev "
+                f"(eff {row['fwd_eff'] or 0:.2f}) fwd+bwd {tb or 0:.1f} "
+                f"(eff {row['fwdbwd_eff'] or 0:.2f})", flush=True)
+  return rows
+
+
+def main(argv):
+  del argv
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+
+  os.makedirs(_OUT.value, exist_ok=True)
+  dev = jax.devices()[0]
+  print(f"jax {jax.__version__}, {len(jax.devices())} x {dev.device_kind}", flush=True)
+  if _MODE.value == "kernels":
+    rows = _run_kernels(Mesh(np.array([dev]), ("sp",)))
+  elif _MODE.value == "virtual":
+    rows = _run_virtual()
+  else:
+    rows = _run_scaling()
+  meta = {"jax": jax.__version__, "device": dev.device_kind, "mode": _MODE.value,
+          "warmup": _WARMUP.value, "iters": _ITERS.value}
+  path = os.path.join(_OUT.value, f"bench_{_MODE.value}.json")
+  with open(path, "w") as f:
+    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+  print(f"wrote {path}")
+  if _MODE.value == "kernels":
+    _plot(rows, os.path.join(_OUT.value, "bench_kernels.png"))

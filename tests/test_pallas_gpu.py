@@ -1,0 +1,206 @@
+"""Conformance of the pallas_gpu backend against the fp32 oracle (tests/oracle.py).
+
+The Mosaic GPU forward needs a Hopper GPU: with the installed jax it cannot run in interpret
+mode on CPU (the HLO interpreter rejects run_scoped over the warpgroup axis, and the GPU
+interpreter cannot lower wgmma). So the end-to-end cases run only where a GPU of compute
+capability >= 9.0 is present (JAX_PLATFORMS=cuda). On CPU, the tile plan and the Triton
+backward kernels (Pallas interpret mode) are checked.
+
+bf16 criterion: error vs the fp32 oracle <= 2x the error of plain bf16 dense attention
+(3x for gradients); max absolute error over all elements.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import ringflash
+from ringflash.kernels import base
+from ringflash.kernels import pallas_gpu
+from ringflash.kernels import pallas_gpu_bwd
+import oracle
+
+
+def _hopper_devices():
+  out = []
+  for d in jax.devices():
+    if d.platform != "gpu":
+      continue
+    try:
+      major = int(str(getattr(d, "compute_capability", "0")).split(".")[0])
+    except ValueError:
+      major = 0
+    if major >= 9:
+      out.append(d)
+  return out
+
+
+needs_hopper = pytest.mark.skipif(not _hopper_devices(),
+                                  reason="needs a GPU of compute capability >= 9.0")
+
+
+def _inputs(seed, b, t, s, n, kh, h, dtype):
+  kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(kq, (b, t, n, h), jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (b, s, kh, h), jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, (b, s, kh, h), jnp.float32).astype(dtype)
+  do = jax.random.normal(kd, (b, t, n, h), jnp.float32).astype(dtype)
+  return q, k, v, do
+
+
+def _segments(b, t, s, with_empty):
+  """Packed documents; with_empty gives query rows an id no key has (rows with no key)."""
+  q_ids = np.zeros((b, t), np.int32)
+  kv_ids = np.zeros((b, s), np.int32)
+  q_ids[:, t // 3:] = 1
+  kv_ids[:, s // 3:] = 1
+  q_ids[:, 2 * t // 3:] = 2
+  kv_ids[:, 2 * s // 3:] = 2
+  if with_empty:
+    q_ids[:, t - t // 8:] = 7
+  return jnp.asarray(q_ids), jnp.asarray(kv_ids)
+
+
+def _max_err(x, ref):
+  return float(jnp.max(jnp.abs(x.astype(jnp.float32) - ref.astype(jnp.float32))))
+
+
+# ----------------------------------------------------------------------------- CPU: plan
+
+
+@pytest.mark.parametrize("causal,segs,window", [(True, False, None), (False, True, None),
+                                                (True, True, None), (False, False, (100, 30)),
+                                                (True, True, (200, 0))])
+def test_tile_plan_is_conservative(causal, segs, window):
+  t = s = 512
+  bq, bk = 64, 128
+  rng = np.random.default_rng(0)
+  # zigzag-like positions: two chunks per device, sorted within each
+  q_pos = jnp.asarray(np.concatenate([np.arange(0, 256), np.arange(768, 1024)]), jnp.int32)
+  k_pos = jnp.asarray(np.concatenate([np.arange(256, 512), np.arange(512, 768)]), jnp.int32)
+  q_seg = k_seg = None
+  if segs:
+    q_seg = jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1), jnp.int32)
+    k_seg = jnp.asarray(np.sort(rng.integers(0, 4, (2, s)), axis=1), jnp.int32)
+  spec = base.KernelSpec(scale=1.0, causal=causal, block_q=bq, block_k=bk, window=window)
+  work, full = pallas_gpu.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)
+  plan = np.asarray(pallas_gpu.tile_plan(work, full))
+  valid = np.asarray(base.mask(q_pos, k_pos, q_seg, k_seg, spec))         # [B|1, T, S]
+  tiles = valid.reshape(valid.shape[0], t // bq, bq, s // bk, bk)
+  any_valid = tiles.any(axis=(2, 4))
+  all_valid = tiles.all(axis=(2, 4))
+  nb = max(plan.shape[0], any_valid.shape[0])
+  for bi in range(nb):
+    p = plan[min(bi, plan.shape[0] - 1)]
+    for i in range(t // bq):
+      u_lo, lo, flo, fhi, hi, u_hi = p[i, :6]
+      assert u_lo <= lo <= flo <= fhi <= hi <= u_hi
+      j_valid = np.nonzero(any_valid[min(bi, any_valid.shape[0] - 1), i])[0]
+      assert all(lo <= j < hi for j in j_valid), (bi, i, p[i], j_valid)
+      for j in range(flo, fhi):
+        assert all_valid[min(bi, all_valid.shape[0] - 1), i, j], (bi, i, j, p[i])
+      # the two query tiles of one CUDA block share the union range
+      other = p[i ^ 1]
+      assert (u_lo, u_hi) == (other[0], other[5])
+
+
+# ----------------------------------------------------------------------------- CPU: bwd
+
+
+@pytest.mark.parametrize("causal,segs,n,kh,window", [(True, False, 4, 2, None),
+                                                     (False, True, 2, 1, (20, 5))])
+def test_backward_kernels_interpret(causal, segs, n, kh, window):
+  """The Triton backward kernels in interpret mode, from the oracle's out and lse."""
+  b, t, h = 1, 128, 64
+  q, k, v, do = _inputs(1, b, t, t, n, kh, h, jnp.bfloat16)
+  q_seg, kv_seg = _segments(b, t, t, with_empty=True) if segs else (None, None)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  spec = base.KernelSpec(scale=h ** -0.5, causal=causal, block_q=64, block_k=64,
+                         interpret=True, window=window)
+
+  def dense(upcast, q, k, v):
+    return oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
+                            upcast=upcast, window=window)[0]
+
+  out, lse = oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
+                              window=window)
+  got = pallas_gpu_bwd.backward(q, k, v, out.astype(q.dtype), lse, do, pos, pos, q_seg,
+                                kv_seg, spec)
+  _, vjp32 = jax.vjp(lambda *a: dense(True, *a), q, k, v)
+  want = vjp32(do.astype(jnp.float32))
+  _, vjp16 = jax.vjp(lambda *a: dense(False, *a), q, k, v)
+  plain = vjp16(do)
+  for name, g, w, p in zip(("dq", "dk", "dv"), got, want, plain):
+    assert g.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
+  if segs:  # rows with no valid key: zero dq
+    assert float(jnp.abs(got[0][:, t - t // 8:]).max()) == 0.0
+
+
+# ----------------------------------------------------------------------------- H200
+
+
+def _mesh():
+  return Mesh(np.array(_hopper_devices()[:1]), ("sp",))
+
+
+CASES = [
+    # causal, segs, n, kh, h, t, dtype, grads
+    (False, False, 4, 4, 128, 512, jnp.bfloat16, True),
+    (True, False, 4, 4, 128, 512, jnp.bfloat16, True),
+    (True, True, 4, 4, 128, 512, jnp.bfloat16, True),      # rows with no valid key
+    (False, True, 4, 4, 64, 256, jnp.bfloat16, True),
+    (True, False, 8, 2, 128, 512, jnp.bfloat16, True),     # GQA 4:1
+    (True, False, 4, 1, 64, 256, jnp.float16, True),       # MQA, fp16
+    (True, False, 2, 2, 256, 256, jnp.bfloat16, False),    # head dim 256: forward
+    (False, False, 2, 1, 128, 1024, jnp.bfloat16, True),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal,segs,n,kh,h,t,dtype,grads", CASES)
+def test_ring_one_gpu_matches_oracle(causal, segs, n, kh, h, t, dtype, grads):
+  b = 2 if segs else 1
+  q, k, v, do = _inputs(2, b, t, t, n, kh, h, dtype)
+  q_seg, kv_seg = _segments(b, t, t, with_empty=True) if segs else (None, None)
+  seg_arg = (q_seg, kv_seg) if segs else None
+  mesh = _mesh()
+
+  def ours(q, k, v):
+    return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal, segment_ids=seg_arg,
+                                    backend="pallas_gpu", return_residual=True)
+
+  def dense(upcast, q, k, v):
+    return oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
+                            upcast=upcast)[0]
+
+  (out, lse), vjp = jax.vjp(ours, q, k, v)
+  want, want_lse = oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg)
+  plain = dense(False, q, k, v)
+  assert out.dtype == dtype
+  assert _max_err(out, want) <= 2 * _max_err(plain, want)
+  finite = jnp.isfinite(want_lse)
+  assert bool(jnp.all(jnp.isfinite(lse) == finite))
+  assert float(jnp.max(jnp.where(finite, jnp.abs(lse - want_lse), 0.0))) < 2e-2
+  if not grads:
+    return
+  got = vjp((do, jnp.zeros_like(lse)))
+  _, vjp32 = jax.vjp(lambda *a: dense(True, *a), q, k, v)
+  want_g = vjp32(do.astype(jnp.float32))
+  _, vjp16 = jax.vjp(lambda *a: dense(False, *a), q, k, v)
+  plain_g = vjp16(do)
+  for name, g, w, p in zip(("dq", "dk", "dv"), got, want_g, plain_g):
+    assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), name
+    assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
+
+
+@needs_hopper
+def test_auto_picks_pallas_gpu():
+  from ringflash import _validate  # pylint: disable=g-import-not-at-top
+  d = _hopper_devices()[0]
+  assert _validate.resolve_backend("auto", d.platform, d) == "pallas_gpu"
