@@ -55,6 +55,14 @@ def _seg_tile(seg, start, size):
   return None if seg is None else _slice(seg, start, size, 1)
 
 
+def _geometry(q, k, spec: base.KernelSpec):
+  """(B, T, N, H, S, K, G, bq, bk, nq, nk): shapes, group size G = N // K, tiles and counts."""
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  bq, bk = spec.block_q, spec.block_k
+  return b, t, n, h, s, kh, n // kh, bq, bk, t // bq, s // bk
+
+
 def _finite_rows(x):
   """x with non-finite entries zeroed, and float32 [B, rows, K] flags of rows that had any.
 
@@ -84,11 +92,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
 
 def forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   """forward over every tile of the block pair (skipping the empty ones)."""
-  b, t, n, h = q.shape
-  s, kh = k.shape[1], k.shape[2]
-  g = n // kh
-  bq, bk = spec.block_q, spec.block_k
-  nq, nk = t // bq, s // bk
+  b, t, n, h, s, kh, g, bq, bk, nq, nk = _geometry(q, k, spec)
   prec = _precision(q.dtype)
   q5 = q.reshape(b, t, kh, g, h)
 
@@ -169,11 +173,7 @@ def backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
   Outer loop over key tiles (dk, dv of a tile finish in registers of the loop carry), inner
   loop over query tiles accumulating dq into a float32 [B, T, K, G, H] carry.
   """
-  b, t, n, h = q.shape
-  s, kh = k.shape[1], k.shape[2]
-  g = n // kh
-  bq, bk = spec.block_q, spec.block_k
-  nq, nk = t // bq, s // bk
+  b, t, n, h, s, kh, g, bq, bk, nq, nk = _geometry(q, k, spec)
   prec = _precision(q.dtype)
   q5 = q.reshape(b, t, kh, g, h)
   do5 = dout.reshape(b, t, kh, g, h)

@@ -74,10 +74,7 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
   bq, bk = kernel.resolve_block_sizes(
       ringflash.BlockSizes(), seq_len // ring, seq_len // ring, head_dim=head_dim, dtype=dt,
       device_kind=devices[0].device_kind)
-  # Permutes per ring step: those in the loop bodies that run the steps (one per array that
-  # travels: k, v, their positions, and in the backward the dk/dv accumulators).
-  per_body = [len(re.findall(r" collective-permute-start\(", body))
-              for body in re.split(r"\n\}\n", hlo) if "collective-permute-start(" in body]
+  per_body = _permutes_per_loop_body(hlo)
   total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
   hbm = HBM_BYTES.get(topology.split(":")[0])
   return {
@@ -89,6 +86,27 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
       "permutes_per_step": per_body,
       "all_gathers": len(re.findall(r" all-gather(?:-start)?\(", hlo)),
   }
+
+
+def _permutes_per_loop_body(hlo: str) -> list[int]:
+  """Collective-permutes in each while-loop body of a compiled module, in order.
+
+  A ring loop body runs one step; it sends one permute per array that travels (k, v and
+  their positions; in the backward also the dk/dv accumulators). Asynchronous permutes are
+  counted by their start, synchronous ones as they are.
+  """
+  bodies, name, counts = set(re.findall(r"\bbody=%?([\w.\-]+)", hlo)), None, {}
+  for line in hlo.splitlines():
+    head = re.match(r"^%?([\w.\-]+) .*\{$", line)
+    if head and not line.startswith(" "):
+      name = head.group(1) if head.group(1) in bodies else None
+      if name is not None:
+        counts[name] = 0
+    elif line.startswith("}"):
+      name = None
+    elif name is not None and re.search(r" collective-permute(?:-start)?\(", line):
+      counts[name] += 1
+  return [c for c in counts.values() if c]
 
 
 def _gib(x):

@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import hlo as hlo_text
 import oracle
 import ringflash
 from ringflash import layouts
@@ -202,16 +203,7 @@ def _executed_permutes(hlo: str):
   A permute inside a while body runs once per iteration: its count is multiplied by the
   loop's known_trip_count (and by those of enclosing loops).
   """
-  comps, name = {}, None
-  for line in hlo.splitlines():
-    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-    if head and not line.startswith(" "):
-      name = head.group(1)
-      comps[name] = []
-      if line.startswith("ENTRY"):
-        comps["__entry__"] = name
-    elif name is not None:
-      comps[name].append(line)
+  comps, entry = hlo_text.computations(hlo)
 
   def walk(comp, times, out):
     for line in comps[comp]:
@@ -233,7 +225,7 @@ def _executed_permutes(hlo: str):
           walk(called, times, out)
     return out
 
-  return walk(comps["__entry__"], 1, [])
+  return walk(entry, 1, [])
 
 
 def _shift_pairs(ring_size, shift):

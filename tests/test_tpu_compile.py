@@ -23,6 +23,7 @@ import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import hlo as hlo_text  # noqa: E402
 import ringflash  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
@@ -51,17 +52,7 @@ def _compiled(topology: str, causal: bool):
 
 def _computations(hlo: str) -> dict[str, list[str]]:
   """Computation name -> its instruction lines, in the compiled (scheduled) order."""
-  comps, name = {}, None
-  for line in hlo.splitlines():
-    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-    if head and not line.startswith(" "):
-      name = head.group(1)
-      comps[name] = []
-    elif line.startswith("}"):
-      name = None
-    elif name is not None and line.strip():
-      comps[name].append(line)
-  return comps
+  return hlo_text.computations(hlo)[0]
 
 
 def _has_kernel(comps, name, seen=None) -> bool:
