@@ -36,8 +36,13 @@ def run(argv: list[str] | None = None) -> None:
   if name not in SUBCOMMANDS:
     print(f"ringflash: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
     sys.exit(2)
+  import logging  # pylint: disable=g-import-not-at-top
+
   from absl import app  # pylint: disable=g-import-not-at-top
 
+  # absl shows INFO records; JAX's backend probing ("Unable to initialize backend ...") is
+  # not news to a user of these commands.
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   module = importlib.import_module(SUBCOMMANDS[name][0])
   app.run(module.main, argv=[f"ringflash {name}"] + argv[2:])
 
