@@ -27,7 +27,8 @@ import time
 
 from absl import flags
 
-_MODE = flags.DEFINE_enum("mode", "kernels", ["kernels", "virtual", "scaling"], "what to run")
+_MODE = flags.DEFINE_enum("mode", "kernels", ["kernels", "virtual", "layouts", "scaling"],
+                          "what to run")
 _SEQ = flags.DEFINE_list("seq_lens", ["4096", "16384", "65536"],
                          "sequence lengths (kernels: T = S; virtual, scaling: per device)")
 _HEADS = flags.DEFINE_integer("heads", 16, "query heads N")
@@ -236,6 +237,58 @@ def _run_virtual():
   return rows
 
 
+def _run_layouts():
+  """Causal ring time of each layout, on one device: every device's P steps (kernel + merge,
+  with that device's positions and those of the block it holds at each step), timed one
+  device at a time. The ring runs as long as its slowest device; max/mean shows balance.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ringflash import _validate, layouts  # pylint: disable=g-import-not-at-top
+  from ringflash.kernels import base, get_backend  # pylint: disable=g-import-not-at-top
+  from ringflash.parallel.merge import merge  # pylint: disable=g-import-not-at-top
+
+  dev = jax.devices()[0]
+  kernel = get_backend(_validate.resolve_backend("auto", dev.platform, dev))
+  n, h, b = _HEADS.value, _HEAD_DIM.value, _BATCH.value
+  rows = []
+  for tl in map(int, _SEQ.value):
+    for p in map(int, _RING.value):
+      for kh in map(int, _KV_HEADS.value):
+        q, k, v, _ = _inputs(b, tl, n, kh, h)
+        # Tiles that divide the zigzag chunk tl / 2 too, so every layout uses the same.
+        blocks = base.BlockSizes(*(layouts.balance_block(tl * p, p),) * 2)
+        spec = _validate.resolve_spec(kernel, scale=h ** -0.5, causal=True, block_sizes=blocks,
+                                      q_len=tl, kv_len=tl, head_dim=h, dtype=q.dtype,
+                                      platform=dev.platform, device_kind=dev.device_kind)
+
+        @jax.jit
+        def device_steps(q, k, v, q_pos, k_pos, spec=spec):
+          # k_pos [P, tl]: at step s this device holds the block of device (i - s) mod P.
+          def body(s, carry):
+            o_i, lse_i = kernel.forward(q, k, v, q_pos, k_pos[s], None, None, spec)
+            return merge(*carry, o_i, lse_i)
+          init = (jnp.zeros((b, tl, n, h), jnp.float32),
+                  jnp.full((b, n, tl), -jnp.inf, jnp.float32))
+          return jax.lax.fori_loop(0, k_pos.shape[0], body, init)
+
+        for layout in layouts.LAYOUTS:
+          pos = layouts.layout_positions(layout, p, tl * p)           # [P, tl]
+          times = []
+          for i in range(p):
+            held = jnp.asarray(pos[[(i - s) % p for s in range(p)]])
+            times.append(_time(device_steps, q, k, v, jnp.asarray(pos[i]), held))
+          ring_ms, mean_ms = 1e3 * max(times), 1e3 * sum(times) / p
+          row = {"layout": layout, "T_local": tl, "P": p, "K": kh, "ring_ms": ring_ms,
+                 "mean_ms": mean_ms, "max_over_mean": ring_ms / mean_ms,
+                 "per_device_ms": [1e3 * t for t in times], "backend": kernel.NAME}
+          rows.append(row)
+          print(f"T_local={tl:>6} P={p} K={kh:>2} {layout:<10}: ring (slowest device) "
+                f"{ring_ms:9.2f} ms, mean {mean_ms:9.2f} ms, max/mean "
+                f"{row['max_over_mean']:.2f}", flush=True)
+  return rows
+
+
 def _run_scaling():
   """Weak scaling: per-device length fixed, P = 1, 2, 4, ... local devices."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -288,6 +341,8 @@ def main(argv):
     rows = _run_kernels(Mesh(np.array([dev]), ("sp",)))
   elif _MODE.value == "virtual":
     rows = _run_virtual()
+  elif _MODE.value == "layouts":
+    rows = _run_layouts()
   else:
     rows = _run_scaling()
   meta = {"jax": jax.__version__, "device": dev.device_kind, "mode": _MODE.value,
