@@ -27,19 +27,26 @@ from jax.sharding import PartitionSpec as P
 import ringflash
 from ringflash.launch import distributed
 
-_BATCH = flags.DEFINE_integer("batch", 1, "B, global batch")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "T = S, global sequence length; divisible by "
-                                "the number of global devices")
-_HEADS = flags.DEFINE_integer("heads", 2, "N, query heads")
-_KV_HEADS = flags.DEFINE_integer("kv_heads", 1, "K, key/value heads (N % K == 0)")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 32, "H")
-_CAUSAL = flags.DEFINE_boolean("causal", True, "causal mask")
-_SEED = flags.DEFINE_integer("seed", 0, "seed of the inputs (the same on every process)")
-_REPEAT = flags.DEFINE_integer("repeat", 1, "forward+backward passes; each is verified")
-_TOLERANCE = flags.DEFINE_float("tolerance", 1e-4, "largest accepted error, relative to "
-                                "max(1, max |reference|), per output")
-_OUT_DIR = flags.DEFINE_string("out_dir", "", "if set, each process writes the values it "
-                               "holds to OUT_DIR/process_<id>.npz (NaN where not held)")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
+  before parsing; importing the module (as tests do) defines nothing."""
+  flags.DEFINE_integer("batch", 1, "B, global batch")
+  flags.DEFINE_integer("seq_len", 256, "T = S, global sequence length; divisible by "
+                       "the number of global devices")
+  flags.DEFINE_integer("heads", 2, "N, query heads")
+  flags.DEFINE_integer("kv_heads", 1, "K, key/value heads (N % K == 0)")
+  flags.DEFINE_integer("head_dim", 32, "H")
+  flags.DEFINE_boolean("causal", True, "causal mask")
+  flags.DEFINE_integer("seed", 0, "seed of the inputs (the same on every process)")
+  flags.DEFINE_integer("repeat", 1, "forward+backward passes; each is verified")
+  flags.DEFINE_float("tolerance", 1e-4, "largest accepted error, relative to "
+                     "max(1, max |reference|), per output")
+  flags.DEFINE_string("out_dir", "", "if set, each process writes the values it "
+                      "holds to OUT_DIR/process_<id>.npz (NaN where not held)")
+
 
 AXIS = "sp"
 NAMES = ("out", "dq", "dk", "dv")
@@ -165,21 +172,21 @@ def main(argv) -> None:
   if len(argv) > 1:
     raise ValueError(f"ringflash check takes flags only, got {argv[1:]}")
   joined = distributed.initialize()
-  config = Config(batch=_BATCH.value, seq_len=_SEQ_LEN.value, heads=_HEADS.value,
-                  kv_heads=_KV_HEADS.value, head_dim=_HEAD_DIM.value, causal=_CAUSAL.value,
-                  seed=_SEED.value)
+  config = Config(batch=FLAGS.batch, seq_len=FLAGS.seq_len, heads=FLAGS.heads,
+                  kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim, causal=FLAGS.causal,
+                  seed=FLAGS.seed)
   me = f"process {joined.process_id} of {joined.num_processes}"
   print(f"ringflash check: {me}: {jax.local_device_count()} local of {jax.device_count()} "
         f"global {jax.devices()[0].platform} devices; {config}", flush=True)
-  results, inputs = run(config, repeat=_REPEAT.value)
+  results, inputs = run(config, repeat=FLAGS.repeat)
   worst = errors(results, reference(inputs, config.causal))
-  if _OUT_DIR.value:
-    os.makedirs(_OUT_DIR.value, exist_ok=True)
-    np.savez(os.path.join(_OUT_DIR.value, f"process_{joined.process_id}.npz"),
+  if FLAGS.out_dir:
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    np.savez(os.path.join(FLAGS.out_dir, f"process_{joined.process_id}.npz"),
              **{name: held_values(x) for name, x in results.items()})
-  ok = all(e <= _TOLERANCE.value for e in worst.values())
+  ok = all(e <= FLAGS.tolerance for e in worst.values())
   summary = ", ".join(f"{name} {e:.1e}" for name, e in worst.items())
-  print(f"ringflash check: {me}: max error {summary} (tolerance {_TOLERANCE.value:.0e}): "
+  print(f"ringflash check: {me}: max error {summary} (tolerance {FLAGS.tolerance:.0e}): "
         f"{'ok' if ok else 'FAILED'}", flush=True)
   if not ok:
     sys.exit(1)

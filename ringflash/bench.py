@@ -27,23 +27,29 @@ import time
 
 from absl import flags
 
-_MODE = flags.DEFINE_enum("mode", "kernels", ["kernels", "virtual", "layouts", "scaling"],
-                          "what to run")
-_SEQ = flags.DEFINE_list("seq_lens", ["4096", "16384", "65536"],
-                         "sequence lengths (kernels: T = S; virtual, scaling: per device)")
-_HEADS = flags.DEFINE_integer("heads", 16, "query heads N")
-_KV_HEADS = flags.DEFINE_list("kv_heads", ["16", "4"], "kv heads K per row group (16:4 = GQA)")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "head dim H")
-_BATCH = flags.DEFINE_integer("batch", 1, "batch B")
-_CAUSAL = flags.DEFINE_list("causal", ["false", "true"], "causal settings to run")
-_IMPLS = flags.DEFINE_list("impls", ["ringflash", "cudnn", "xla"], "implementations")
-_XLA_MAX = flags.DEFINE_integer("xla_max_len", 16384, "skip the xla backend above this T")
-_GQA_LENS = flags.DEFINE_list("gqa_seq_lens", ["16384"], "sequence lengths of the GQA rows")
-_WARMUP = flags.DEFINE_integer("warmup", 2, "untimed calls")
-_ITERS = flags.DEFINE_integer("iters", 5, "timed calls (median)")
-_RING = flags.DEFINE_list("ring_sizes", ["2", "4", "8"], "virtual: ring steps P")
-_OUT = flags.DEFINE_string("out", "bench_out", "folder for JSON and PNG")
-_BWD = flags.DEFINE_bool("backward", True, "also time forward+backward")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
+  before parsing; importing the module (as tests do) defines nothing."""
+  flags.DEFINE_enum("mode", "kernels", ["kernels", "virtual", "layouts", "scaling"],
+                    "what to run")
+  flags.DEFINE_list("seq_lens", ["4096", "16384", "65536"],
+                    "sequence lengths (kernels: T = S; virtual, scaling: per device)")
+  flags.DEFINE_integer("heads", 16, "query heads N")
+  flags.DEFINE_list("kv_heads", ["16", "4"], "kv heads K per row group (16:4 = GQA)")
+  flags.DEFINE_integer("head_dim", 128, "head dim H")
+  flags.DEFINE_integer("batch", 1, "batch B")
+  flags.DEFINE_list("causal", ["false", "true"], "causal settings to run")
+  flags.DEFINE_list("impls", ["ringflash", "cudnn", "xla"], "implementations")
+  flags.DEFINE_integer("xla_max_len", 16384, "skip the xla backend above this T")
+  flags.DEFINE_list("gqa_seq_lens", ["16384"], "sequence lengths of the GQA rows")
+  flags.DEFINE_integer("warmup", 2, "untimed calls")
+  flags.DEFINE_integer("iters", 5, "timed calls (median)")
+  flags.DEFINE_list("ring_sizes", ["2", "4", "8"], "virtual: ring steps P")
+  flags.DEFINE_string("out", "bench_out", "folder for JSON and PNG")
+  flags.DEFINE_bool("backward", True, "also time forward+backward")
 
 
 def _flops(b, n, t, s, h, causal):
@@ -53,10 +59,10 @@ def _flops(b, n, t, s, h, causal):
 
 def _time(fn, *args):
   import jax  # pylint: disable=g-import-not-at-top
-  for _ in range(_WARMUP.value):
+  for _ in range(FLAGS.warmup):
     jax.block_until_ready(fn(*args))
   times = []
-  for _ in range(_ITERS.value):
+  for _ in range(FLAGS.iters):
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
@@ -103,22 +109,22 @@ def _attention_fns(impl, causal, mesh):
 
 def _run_kernels(mesh):
   rows = []
-  groups = [(kh, [int(x) for x in (_SEQ.value if kh == _HEADS.value else _GQA_LENS.value)])
-            for kh in map(int, _KV_HEADS.value)]
+  groups = [(kh, [int(x) for x in (FLAGS.seq_lens if kh == FLAGS.heads else FLAGS.gqa_seq_lens)])
+            for kh in map(int, FLAGS.kv_heads)]
   for kh, lens in groups:
     for t in lens:
-      for causal in [c.lower() == "true" for c in _CAUSAL.value]:
-        q, k, v, do = _inputs(_BATCH.value, t, _HEADS.value, kh, _HEAD_DIM.value)
-        flops = _flops(_BATCH.value, _HEADS.value, t, t, _HEAD_DIM.value, causal)
-        row = {"T": t, "N": _HEADS.value, "K": kh, "H": _HEAD_DIM.value, "causal": causal}
-        for impl in _IMPLS.value:
-          if impl == "xla" and t > _XLA_MAX.value:
+      for causal in [c.lower() == "true" for c in FLAGS.causal]:
+        q, k, v, do = _inputs(FLAGS.batch, t, FLAGS.heads, kh, FLAGS.head_dim)
+        flops = _flops(FLAGS.batch, FLAGS.heads, t, t, FLAGS.head_dim, causal)
+        row = {"T": t, "N": FLAGS.heads, "K": kh, "H": FLAGS.head_dim, "causal": causal}
+        for impl in FLAGS.impls:
+          if impl == "xla" and t > FLAGS.xla_max_len:
             continue
           fwd, fwd_bwd = _attention_fns(impl, causal, mesh)
           try:
             tf = _time(fwd, q, k, v)
             row[f"{impl}_fwd"] = flops / tf / 1e12
-            if _BWD.value:
+            if FLAGS.backward:
               tb = _time(fwd_bwd, q, k, v, do)
               row[f"{impl}_fwdbwd"] = 3.5 * flops / tb / 1e12
           except (RuntimeError, ValueError, NotImplementedError) as err:
@@ -158,7 +164,7 @@ def _plot(rows, path):
     return
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   for ax, phase in zip(axes, ("fwd", "fwdbwd")):
-    for impl in _IMPLS.value:
+    for impl in FLAGS.impls:
       for causal in (False, True):
         pts = sorted((r["T"], r[f"{impl}_{phase}"]) for r in rows
                      if r["K"] == r["N"] and r["causal"] == causal and f"{impl}_{phase}" in r)
@@ -187,10 +193,10 @@ def _run_virtual():
   dev = jax.devices()[0]
   kernel = get_backend(_validate.resolve_backend("auto", dev.platform, dev))
   rows = []
-  n, h, b = _HEADS.value, _HEAD_DIM.value, _BATCH.value
-  for tl in map(int, _SEQ.value):
-    for p in map(int, _RING.value):
-      for kh in map(int, _KV_HEADS.value):
+  n, h, b = FLAGS.heads, FLAGS.head_dim, FLAGS.batch
+  for tl in map(int, FLAGS.seq_lens):
+    for p in map(int, FLAGS.ring_sizes):
+      for kh in map(int, FLAGS.kv_heads):
         q, k, v, _ = _inputs(b, tl, n, kh, h)
         spec = _validate.resolve_spec(kernel, scale=h ** -0.5, causal=False,
                                       block_sizes=base.BlockSizes(), q_len=tl, kv_len=tl,
@@ -250,11 +256,11 @@ def _run_layouts():
 
   dev = jax.devices()[0]
   kernel = get_backend(_validate.resolve_backend("auto", dev.platform, dev))
-  n, h, b = _HEADS.value, _HEAD_DIM.value, _BATCH.value
+  n, h, b = FLAGS.heads, FLAGS.head_dim, FLAGS.batch
   rows = []
-  for tl in map(int, _SEQ.value):
-    for p in map(int, _RING.value):
-      for kh in map(int, _KV_HEADS.value):
+  for tl in map(int, FLAGS.seq_lens):
+    for p in map(int, FLAGS.ring_sizes):
+      for kh in map(int, FLAGS.kv_heads):
         q, k, v, _ = _inputs(b, tl, n, kh, h)
         # Tiles that divide the zigzag chunk tl / 2 too, so every layout uses the same.
         blocks = base.BlockSizes(*(layouts.balance_block(tl * p, p),) * 2)
@@ -300,19 +306,19 @@ def _run_scaling():
   sizes = [p for p in (1, 2, 4, 8, 16, 32, 64) if p <= len(devs)]
   rows = []
   base_tf = {}
-  for tl in map(int, _SEQ.value):
-    for kh in map(int, _KV_HEADS.value):
-      for causal in [c.lower() == "true" for c in _CAUSAL.value]:
+  for tl in map(int, FLAGS.seq_lens):
+    for kh in map(int, FLAGS.kv_heads):
+      for causal in [c.lower() == "true" for c in FLAGS.causal]:
         for p in sizes:
           mesh = Mesh(np.array(devs[:p]), ("sp",))
           t = tl * p
-          q, k, v, do = _inputs(_BATCH.value, t, _HEADS.value, kh, _HEAD_DIM.value)
+          q, k, v, do = _inputs(FLAGS.batch, t, FLAGS.heads, kh, FLAGS.head_dim)
           sh = NamedSharding(mesh, P(None, "sp", None, None))
           q, k, v, do = (jax.device_put(x, sh) for x in (q, k, v, do))
           fwd, fwd_bwd = _attention_fns("ringflash", causal, mesh)
-          flops = _flops(_BATCH.value, _HEADS.value, t, t, _HEAD_DIM.value, causal) / p
+          flops = _flops(FLAGS.batch, FLAGS.heads, t, t, FLAGS.head_dim, causal) / p
           tf = flops / _time(fwd, q, k, v) / 1e12
-          tb = 3.5 * flops / _time(fwd_bwd, q, k, v, do) / 1e12 if _BWD.value else None
+          tb = 3.5 * flops / _time(fwd_bwd, q, k, v, do) / 1e12 if FLAGS.backward else None
           key = (tl, kh, causal)
           if p == 1:
             base_tf[key] = (tf, tb)
@@ -334,22 +340,22 @@ def main(argv):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
 
-  os.makedirs(_OUT.value, exist_ok=True)
+  os.makedirs(FLAGS.out, exist_ok=True)
   dev = jax.devices()[0]
   print(f"jax {jax.__version__}, {len(jax.devices())} x {dev.device_kind}", flush=True)
-  if _MODE.value == "kernels":
+  if FLAGS.mode == "kernels":
     rows = _run_kernels(Mesh(np.array([dev]), ("sp",)))
-  elif _MODE.value == "virtual":
+  elif FLAGS.mode == "virtual":
     rows = _run_virtual()
-  elif _MODE.value == "layouts":
+  elif FLAGS.mode == "layouts":
     rows = _run_layouts()
   else:
     rows = _run_scaling()
-  meta = {"jax": jax.__version__, "device": dev.device_kind, "mode": _MODE.value,
-          "warmup": _WARMUP.value, "iters": _ITERS.value}
-  path = os.path.join(_OUT.value, f"bench_{_MODE.value}.json")
+  meta = {"jax": jax.__version__, "device": dev.device_kind, "mode": FLAGS.mode,
+          "warmup": FLAGS.warmup, "iters": FLAGS.iters}
+  path = os.path.join(FLAGS.out, f"bench_{FLAGS.mode}.json")
   with open(path, "w") as f:
     json.dump({"meta": meta, "rows": rows}, f, indent=1)
   print(f"wrote {path}")
-  if _MODE.value == "kernels":
-    _plot(rows, os.path.join(_OUT.value, "bench_kernels.png"))
+  if FLAGS.mode == "kernels":
+    _plot(rows, os.path.join(FLAGS.out, "bench_kernels.png"))

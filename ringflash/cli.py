@@ -1,7 +1,8 @@
 """The `ringflash` command: `ringflash <subcommand> [--flags]`.
 
-Each subcommand is a module with absl flags and a `main(argv)`; only the chosen module is
-imported, so subcommands never see each other's flags.
+Each subcommand is a module with `define_flags()` (its absl flags) and `main(argv)`. Only
+the chosen module's flags are defined, so subcommands may reuse flag names, and importing
+a module for its functions (as the tests do) defines no flag.
 """
 
 from __future__ import annotations
@@ -39,11 +40,17 @@ def run(argv: list[str] | None = None) -> None:
   import logging  # pylint: disable=g-import-not-at-top
 
   from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
 
   # absl shows INFO records; JAX's backend probing ("Unable to initialize backend ...") is
   # not news to a user of these commands.
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   module = importlib.import_module(SUBCOMMANDS[name][0])
+  module.define_flags()
+  if any(a in ("-h", "--help") for a in argv[2:]):
+    print(f"usage: ringflash {name} [--flags]   ({SUBCOMMANDS[name][1]})\n")
+    print(flags.FLAGS.module_help(module))
+    sys.exit(0)
   app.run(module.main, argv=[f"ringflash {name}"] + argv[2:])
 
 

@@ -12,16 +12,21 @@ import time
 from absl import flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("seq_len", 16384, "tokens in the sequence (T = S)")
-flags.DEFINE_integer("batch", 1, "batch size B")
-flags.DEFINE_integer("heads", 4, "query heads N")
-flags.DEFINE_integer("kv_heads", 2, "key/value heads K (N % K == 0)")
-flags.DEFINE_integer("head_dim", 64, "head dimension H")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "input dtype")
-flags.DEFINE_bool("causal", True, "causal masking")
-flags.DEFINE_integer("devices", 8, "simulated CPU devices when no accelerator is present")
-flags.DEFINE_string("backend", "auto", "kernel backend: auto, xla, pallas_tpu, pallas_gpu")
-flags.DEFINE_integer("reference_chunk", 1024, "query rows per step of the dense reference")
+
+
+def define_flags() -> None:
+  """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
+  before parsing; importing the module (as tests do) defines nothing."""
+  flags.DEFINE_integer("seq_len", 16384, "tokens in the sequence (T = S)")
+  flags.DEFINE_integer("batch", 1, "batch size B")
+  flags.DEFINE_integer("heads", 4, "query heads N")
+  flags.DEFINE_integer("kv_heads", 2, "key/value heads K (N % K == 0)")
+  flags.DEFINE_integer("head_dim", 64, "head dimension H")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "input dtype")
+  flags.DEFINE_bool("causal", True, "causal masking")
+  flags.DEFINE_integer("devices", 8, "simulated CPU devices when no accelerator is present")
+  flags.DEFINE_string("backend", "auto", "kernel backend: auto, xla, pallas_tpu, pallas_gpu")
+  flags.DEFINE_integer("reference_chunk", 1024, "query rows per step of the dense reference")
 
 
 def _gib(n: float) -> str:
@@ -39,6 +44,9 @@ def reference(q, k, v, causal: bool, chunk: int):
 
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
+  chunk = min(chunk, t)
+  if t % chunk:
+    raise ValueError(f"reference_chunk {chunk} must divide seq_len {t}")
   kf = jnp.repeat(k.astype(jnp.float32), n // kh, axis=2)
   vf = jnp.repeat(v.astype(jnp.float32), n // kh, axis=2)
 

@@ -17,20 +17,28 @@ import re
 
 from absl import flags
 
-_TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x2", "TPU topology name, e.g. v5p:4x4x4")
-_BATCH = flags.DEFINE_integer("batch", 1, "batch size B")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 131072, "global sequence length T (= S)")
-_HEADS = flags.DEFINE_integer("heads", 32, "query heads N")
-_KV_HEADS = flags.DEFINE_integer("kv_heads", 8, "key/value heads K (N % K == 0)")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "head dimension H")
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "float16"],
-                           "input dtype")
-_CAUSAL = flags.DEFINE_boolean("causal", False, "causal masking")
-_MODE = flags.DEFINE_enum("mode", "train", ["forward", "train"],
-                          "forward only, or forward + backward (value_and_grad)")
-_BACKEND = flags.DEFINE_string("backend", "auto", "ringflash backend")
+FLAGS = flags.FLAGS
 
-# HBM per chip, by the topology name's prefix.
+
+def define_flags() -> None:
+  """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
+  before parsing; importing the module (as tests do) defines nothing."""
+  flags.DEFINE_string("topology", "v5p:2x2x2", "TPU topology name, e.g. v5p:4x4x4")
+  flags.DEFINE_integer("batch", 1, "batch size B")
+  flags.DEFINE_integer("seq_len", 131072, "global sequence length T (= S)")
+  flags.DEFINE_integer("heads", 32, "query heads N")
+  flags.DEFINE_integer("kv_heads", 8, "key/value heads K (N % K == 0)")
+  flags.DEFINE_integer("head_dim", 128, "head dimension H")
+  flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "float16"],
+                    "input dtype")
+  flags.DEFINE_boolean("causal", False, "causal masking")
+  flags.DEFINE_enum("mode", "train", ["forward", "train"],
+                    "forward only, or forward + backward (value_and_grad)")
+  flags.DEFINE_string("backend", "auto", "ringflash backend")
+
+  # HBM per chip, by the topology name's prefix.
+
+
 HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 10**9, "v5litepod": 16 * 10**9,
              "v5p": 95 * 2**30, "v6e": 32 * 10**9}
 
@@ -115,9 +123,9 @@ def _gib(x):
 
 def main(argv):
   del argv
-  r = plan(_TOPOLOGY.value, batch=_BATCH.value, seq_len=_SEQ_LEN.value, heads=_HEADS.value,
-           kv_heads=_KV_HEADS.value, head_dim=_HEAD_DIM.value, dtype=_DTYPE.value,
-           causal=_CAUSAL.value, mode=_MODE.value, backend=_BACKEND.value)
+  r = plan(FLAGS.topology, batch=FLAGS.batch, seq_len=FLAGS.seq_len, heads=FLAGS.heads,
+           kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim, dtype=FLAGS.dtype,
+           causal=FLAGS.causal, mode=FLAGS.mode, backend=FLAGS.backend)
   print(f"{r['topology']} ({r['chips']} x {r['device_kind']}), backend {r['backend']}, "
         f"{r['tokens_per_chip']} tokens per chip, blocks bq={r['block_q']} bk={r['block_k']}")
   print(f"  per device  arguments {_gib(r['arguments'])}  temporaries {_gib(r['temporaries'])}"
