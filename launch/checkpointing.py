@@ -1,0 +1,181 @@
+"""Checkpoints of a training run: orbax CheckpointManager, asynchronous saves, verified restore.
+
+A checkpoint of step s holds the state *after* s steps: parameters, optimizer state, the step,
+the RNG key, and (as JSON) the data stream position and a fingerprint of every array. Saves
+are asynchronous: `save` returns once the arrays are copied off the devices, and the write
+proceeds in the background. Orbax writes each step into a temporary directory
+(`<step>.orbax-checkpoint-tmp-*`) and renames it to `<step>` only once complete, so a run
+killed mid-save leaves a temporary directory and the previous step intact.
+
+Restore walks the steps from the newest down and takes the first one that is complete and
+verified:
+  * temporary (partial) directories are never loaded; each one is reported by step;
+  * a `<step>` directory that fails to load, or whose arrays do not match the fingerprints
+    saved with them (a corrupted file), is skipped with a message naming the step;
+and restores the arrays directly into the target shardings (the caller's abstract state),
+which may belong to a different mesh than the one that saved them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+_PARTIAL = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+_STEP = re.compile(r"^(\d+)$")
+
+
+def fingerprint(tree) -> dict[str, int]:
+  """Per-leaf fingerprint: the sum of the leaf's 32-bit words, modulo 2**32.
+
+  An integer sum is associative, so the value is exact and independent of the sharding the
+  leaf has, on any mesh; any single changed word changes it.
+
+  Returns:
+    {leaf path: int}.
+  """
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  sums = _word_sums([leaf for _, leaf in leaves])
+  return {jax.tree_util.keystr(path): int(s) for (path, _), s in zip(leaves, sums)}
+
+
+@jax.jit
+def _word_sums(leaves):
+  def words(x):
+    x = jnp.asarray(x)
+    if x.dtype.itemsize == 4:
+      return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return x.astype(jnp.uint32)      # int8/16, bool: the value is its word
+  return [jnp.sum(words(x), dtype=jnp.uint32) for x in leaves]
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """A restored checkpoint: the state pytree (in the target shardings) and its JSON metadata."""
+
+  step: int
+  state: Any
+  meta: dict
+
+
+class Checkpoints:
+  """Saves every `save_every` steps, keeps the newest `keep`, restores the newest good one.
+
+  Args:
+    directory: where step directories live (created if missing).
+    save_every: save when step % save_every == 0.
+    keep: how many complete checkpoints to keep.
+    async_save: write in the background (default); False blocks in `save`.
+    log: where messages go (skipped steps), default print.
+  """
+
+  def __init__(self, directory: str, *, save_every: int, keep: int, async_save: bool = True,
+               log: Callable[[str], None] = print):
+    if save_every < 1 or keep < 1:
+      raise ValueError(f"save_every and keep must be >= 1, got {save_every=}, {keep=}")
+    self.directory = os.path.abspath(directory)
+    self._log = log
+    self.save_every = save_every
+    # The interval is applied here (orbax would also save the first step it sees).
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=1, max_to_keep=keep,
+        enable_async_checkpointing=async_save, create=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def save(self, step: int, state, meta: dict) -> bool:
+    """Starts saving `state` (a pytree of arrays) and `meta` (JSON) as step `step`.
+
+    Does nothing unless step is a multiple of save_every. The fingerprints of the arrays are
+    computed now and stored in the metadata under "fingerprint".
+
+    Returns:
+      True if a save was started.
+    """
+    if step % self.save_every:
+      return False
+    meta = dict(meta, fingerprint=fingerprint(state))
+    return self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+
+  def wait(self) -> None:
+    """Blocks until the save in flight (if any) is complete on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def complete_steps(self) -> list[int]:
+    """Steps with a finalized directory, newest first (not yet verified)."""
+    self._manager.reload()
+    return sorted(self._manager.all_steps(), reverse=True)
+
+  def partial_steps(self) -> list[int]:
+    """Steps whose directory is a leftover temporary (an interrupted save), newest first."""
+    if not os.path.isdir(self.directory):
+      return []
+    found = {int(m.group(1)) for name in os.listdir(self.directory)
+             if (m := _PARTIAL.match(name))}
+    return sorted(found, reverse=True)
+
+  def restore_latest(self, abstract_state) -> Restored | None:
+    """The newest complete, verified checkpoint, restored into `abstract_state`'s shardings.
+
+    Args:
+      abstract_state: pytree of jax.ShapeDtypeStruct with `sharding` set (the target layout),
+        same structure as the saved state.
+
+    Returns:
+      Restored, or None when no usable checkpoint exists (every skipped one is reported).
+    """
+    complete = set(self.complete_steps())
+    for step in self.partial_steps():
+      if step not in complete:
+        self._log(f"checkpoint: skipping step {step}: partial save "
+                  f"(temporary directory of an interrupted write) in {self.directory}")
+    for step in sorted(complete, reverse=True):
+      restored, problem = self._try_restore(step, abstract_state)
+      if restored is not None:
+        return restored
+      self._log(f"checkpoint: skipping step {step}: {problem}")
+    return None
+
+  def _try_restore(self, step: int, abstract_state) -> tuple[Restored | None, str]:
+    step_dir = os.path.join(self.directory, str(step))
+    meta_file = os.path.join(step_dir, "meta", "metadata")
+    try:
+      with open(meta_file) as f:
+        meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+      return None, f"unreadable metadata {meta_file}: {err}"
+    expected = meta.get("fingerprint") if isinstance(meta, dict) else None
+    if not isinstance(expected, dict):
+      return None, f"metadata {meta_file} has no array fingerprints"
+    try:
+      out = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state)))
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
+      first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+      return None, f"cannot be loaded ({type(err).__name__}: {first[:300]})"
+    state = out["state"]
+    got = fingerprint(state)
+    bad = sorted(k for k in set(expected) | set(got) if expected.get(k) != got.get(k))
+    if bad:
+      return None, (f"arrays differ from the fingerprints saved with them (corrupted): "
+                    f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}")
+    return Restored(step=step, state=state, meta=meta), ""
+
+
+def abstract_like(tree, shardings) -> Any:
+  """ShapeDtypeStructs of `tree`'s arrays carrying `shardings` (a matching pytree)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
+                      tree, shardings)
