@@ -22,6 +22,7 @@ import ringflash
 from ringflash.kernels import base
 from ringflash.kernels import pallas_gpu
 from ringflash.kernels import pallas_gpu_bwd
+import helpers
 import oracle
 
 
@@ -41,15 +42,6 @@ def _hopper_devices():
 
 needs_hopper = pytest.mark.skipif(not _hopper_devices(),
                                   reason="needs a GPU of compute capability >= 9.0")
-
-
-def _inputs(seed, b, t, s, n, kh, h, dtype):
-  kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(kq, (b, t, n, h), jnp.float32).astype(dtype)
-  k = jax.random.normal(kk, (b, s, kh, h), jnp.float32).astype(dtype)
-  v = jax.random.normal(kv, (b, s, kh, h), jnp.float32).astype(dtype)
-  do = jax.random.normal(kd, (b, t, n, h), jnp.float32).astype(dtype)
-  return q, k, v, do
 
 
 def _segments(b, t, s, with_empty):
@@ -116,7 +108,7 @@ def test_tile_plan_is_conservative(causal, segs, window):
 def test_backward_kernels_interpret(causal, segs, n, kh, window):
   """The Triton backward kernels in interpret mode, from the oracle's out and lse."""
   b, t, h = 1, 128, 64
-  q, k, v, do = _inputs(1, b, t, t, n, kh, h, jnp.bfloat16)
+  q, k, v, do = helpers.inputs(1, b, t, t, n, kh, h, jnp.bfloat16)
   q_seg, kv_seg = _segments(b, t, t, with_empty=True) if segs else (None, None)
   pos = jnp.arange(t, dtype=jnp.int32)
   spec = base.KernelSpec(scale=h ** -0.5, causal=causal, block_q=64, block_k=64,
@@ -166,7 +158,7 @@ CASES = [
 @pytest.mark.parametrize("causal,segs,n,kh,h,t,dtype,grads", CASES)
 def test_ring_one_gpu_matches_oracle(causal, segs, n, kh, h, t, dtype, grads):
   b = 2 if segs else 1
-  q, k, v, do = _inputs(2, b, t, t, n, kh, h, dtype)
+  q, k, v, do = helpers.inputs(2, b, t, t, n, kh, h, dtype)
   q_seg, kv_seg = _segments(b, t, t, with_empty=True) if segs else (None, None)
   seg_arg = (q_seg, kv_seg) if segs else None
   mesh = _mesh()
