@@ -34,7 +34,7 @@ B, T, N, K, H = 1, 8 * 1024, 8, 2, 128      # 1024 tokens per chip
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(topology: str, causal: bool):
+def _compiled(topology: str, causal: bool, head_dim: int = H):
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
   mesh = Mesh(np.array(devices), ("sp",))
@@ -45,7 +45,7 @@ def _compiled(topology: str, causal: bool):
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
-          for shape in ((B, T, N, H), (B, T, K, H), (B, T, K, H))]
+          for shape in ((B, T, N, head_dim), (B, T, K, head_dim), (B, T, K, head_dim))]
   compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
   return compiled.as_text()
 
@@ -80,6 +80,14 @@ def test_compiles_with_mosaic_kernels_and_moves_kv_only_by_permute(topology, cau
   assert "collective-permute-start" in hlo and "collective-permute-done" in hlo
   for op in ("all-gather", "all-to-all"):
     assert not re.search(rf"\s{op}(-start)?\(", hlo), f"{op} in the compiled program"
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_other_head_dims_compile_with_mosaic_kernels(head_dim):
+  hlo = _compiled("v5p:2x2x2", True, head_dim)
+  kernels = re.findall(r"%(ringflash_\w+?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"",
+                       hlo)
+  assert {"ringflash_fwd", "ringflash_bwd_dkv", "ringflash_bwd_dq"} <= set(kernels), kernels
 
 
 @functools.lru_cache(maxsize=None)
