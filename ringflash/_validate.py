@@ -203,20 +203,15 @@ def resolve_backend(backend: str, platform: str, device=None) -> str:
   if backend != "auto":
     return backend
   if platform == "tpu":
-    return "pallas_tpu" if _available("pallas_tpu") else "xla"
+    return "pallas_tpu"
   if platform in ("gpu", "cuda"):
     cc = getattr(device, "compute_capability", None)
     try:
       major = int(str(cc).split(".")[0])
     except ValueError:
       major = 0
-    return "pallas_gpu" if major >= 9 and _available("pallas_gpu") else "xla"
+    return "pallas_gpu" if major >= 9 else "xla"
   return "xla"
-
-
-def _available(name: str) -> bool:
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  return importlib.util.find_spec(f"ringflash.kernels.{name}") is not None
 
 
 def resolve_spec(kernel, *, scale: float, causal: bool, block_sizes, q_len: int, kv_len: int,

@@ -104,3 +104,16 @@ def test_accepts_numpy_scale_and_integer_scale():
   for s in (np.float32(0.5), 2):
     out = ringflash.ring_attention(q, key, v, mesh=helpers.mesh_of(8), scale=s)
     assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("platform,cc,want", [
+    ("tpu", None, "pallas_tpu"), ("gpu", "9.0", "pallas_gpu"), ("cuda", "10.0", "pallas_gpu"),
+    ("gpu", "8.0", "xla"), ("gpu", None, "xla"), ("cpu", None, "xla")])
+def test_auto_backend_follows_the_devices_platform(platform, cc, want):
+  from ringflash import _validate  # pylint: disable=g-import-not-at-top
+
+  class Device:
+    compute_capability = cc
+
+  assert _validate.resolve_backend("auto", platform, Device()) == want
+  assert _validate.resolve_backend("xla", platform, Device()) == "xla"
