@@ -140,10 +140,10 @@ def block_may_have_work(q_pos, k_pos, spec: KernelSpec, q_seg=None, k_seg=None):
   key position exceeds the largest query position (contiguous layout, device i at ring step
   s holds the keys of device i - s mod P, so every step whose source lies after i is dead:
   about half the hops); with a window, when the key range lies entirely outside the window
-  of the query range (see ranges_may_have_work); with segment ids, when in every batch row the query ids' range and
-  the key ids' range are disjoint (packed documents: tiles of different documents).
-  The ring calls it per hop, kernels per tile (for tile-skipping flags); a True still lets
-  the exact mask decide pair by pair.
+  of the query range (see ranges_may_have_work); with segment ids, when in every batch row
+  the query ids' range and the key ids' range are disjoint (packed documents: tiles of
+  different documents). Kernels call it per block pair (a dead ring hop is skipped whole)
+  and per tile (tile-skipping flags); a True still lets the exact mask decide pair by pair.
 
   Args:
     q_pos: [tq] int32 positions. k_pos: [tk] int32 positions.

@@ -40,8 +40,8 @@ from ringflash.kernels import base
 NAME = "pallas_tpu"
 
 # device_kind -> (block_q, block_k, VMEM budget of one kernel in bytes). VMEM per core:
-# v4 16 MiB, v5e / v5p / v6e 128 MiB. block_q is further reduced for large GQA groups so that
-# the stacked [G * bq, bk] fp32 score tiles stay within the budget.
+# v4 16 MiB, v5e / v5p / v6e 128 MiB. block_q is reduced for large GQA groups so that the
+# stacked [G * bq, bk] fp32 score tiles stay within the budget.
 _DEFAULTS = {
     "TPU v4": (512, 512, 14 * 2**20),
     "TPU v5 lite": (512, 512, 48 * 2**20),
@@ -53,7 +53,6 @@ _DEFAULTS = {
 }
 _FALLBACK = (512, 512, 14 * 2**20)    # unknown TPU
 _INTERPRET = (512, 512, 2**40)         # CPU interpret mode: no VMEM to fit
-_BUDGET_GROUP = 4
 
 
 def _generation(device_kind: str):
@@ -72,7 +71,7 @@ def _vmem_estimate(bq: int, bk: int, g: int, hk: int, h: int, itemsize: int) -> 
 
 
 def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *,
-                        head_dim: int, dtype, device_kind: str) -> tuple[int, int]:
+                        head_dim: int, group: int, dtype, device_kind: str) -> tuple[int, int]:
   """Tile sizes for local lengths q_len, kv_len (same signature in every backend).
 
   TPU tiling: block_q is a row (sublane) count, a multiple of 8 (16 for 2-byte dtypes) or the
@@ -80,8 +79,9 @@ def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *
   multiple of 128 or the whole local key length. Both must divide their lengths. Defaults
   per TPU generation (keyed by device_kind, e.g. "TPU v5p", "TPU v5 lite", "TPU v6e",
   "TPU v4"): the largest valid divisor not above the generation's size, with block_q
-  lowered until the tiles fit the generation's VMEM budget for GQA groups of up to
-  _BUDGET_GROUP query heads per kv head.
+  lowered until the tiles fit the generation's VMEM budget: the `group` = N // K query heads
+  of a kv head are stacked into [group * bq, bk] score tiles, so large GQA groups get
+  shorter query tiles (v4, 16 MiB of VMEM, G = 16: bq 64).
 
   Raises:
     ValueError: naming block_sizes, when a given size is not a valid tile of its length.
@@ -110,8 +110,7 @@ def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *
   itemsize = jnp.dtype(dtype).itemsize
   while True:
     bq = default(q_len, cap_q, sub)
-    if cap_q <= sub or _vmem_estimate(bq, bk, _BUDGET_GROUP, hk, head_dim,
-                                      itemsize) <= budget:
+    if cap_q <= sub or _vmem_estimate(bq, bk, group, hk, head_dim, itemsize) <= budget:
       return bq, bk
     cap_q //= 2
 

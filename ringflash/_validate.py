@@ -215,11 +215,12 @@ def resolve_backend(backend: str, platform: str, device=None) -> str:
 
 
 def resolve_spec(kernel, *, scale: float, causal: bool, block_sizes, q_len: int, kv_len: int,
-                 head_dim: int, dtype, platform: str, device_kind: str,
+                 head_dim: int, group: int, dtype, platform: str, device_kind: str,
                  window: tuple[int, int] | None = None) -> base.KernelSpec:
   """The kernel spec: tile sizes from the backend (its defaults, or the user's, checked).
 
   q_len, kv_len: the runs tiles must divide (local lengths, or block_units of them).
+  group: query heads per kv head (N // K); kernels stacking a group's scores size tiles by it.
   Pallas backends run in interpret mode when the devices are CPUs.
   """
   if block_sizes is None:
@@ -228,7 +229,8 @@ def resolve_spec(kernel, *, scale: float, causal: bool, block_sizes, q_len: int,
     raise ValueError(f"block_sizes must be a ringflash.BlockSizes or None, got "
                      f"{type(block_sizes).__name__}")
   bq, bk = kernel.resolve_block_sizes(block_sizes, q_len, kv_len, head_dim=head_dim,
-                                      dtype=jnp.dtype(dtype), device_kind=device_kind)
+                                      group=group, dtype=jnp.dtype(dtype),
+                                      device_kind=device_kind)
   interpret = kernel.NAME != "xla" and platform == "cpu"
   return base.KernelSpec(scale=scale, causal=causal, block_q=bq, block_k=bk,
                          interpret=interpret, window=window)

@@ -80,7 +80,8 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
                                           key.shape[1] // ring_size)
   spec = _validate.resolve_spec(
       kernel, scale=checked.scale, causal=bool(is_causal), block_sizes=block_sizes,
-      q_len=q_unit, kv_len=kv_unit, head_dim=query.shape[3], dtype=query.dtype,
+      q_len=q_unit, kv_len=kv_unit, head_dim=query.shape[3],
+      group=query.shape[2] // key.shape[2], dtype=query.dtype,
       platform=device.platform, device_kind=device.device_kind, window=checked.window)
   batch, heads = _outer_axes(query, mesh, axis_name)
   _check_divisible(query, key, mesh, batch, heads)
@@ -145,7 +146,8 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
                                           ring_size, query.shape[1], key.shape[1])
   spec = _validate.resolve_spec(
       kernel, scale=checked.scale, causal=bool(is_causal), block_sizes=block_sizes,
-      q_len=q_unit, kv_len=kv_unit, head_dim=query.shape[3], dtype=query.dtype,
+      q_len=q_unit, kv_len=kv_unit, head_dim=query.shape[3],
+      group=query.shape[2] // key.shape[2], dtype=query.dtype,
       platform=platform, device_kind=getattr(device, "device_kind", ""),
       window=checked.window)
   out, lse = ring_attention_local(query, key, value, checked.q_seg, checked.kv_seg, spec=spec,

@@ -154,13 +154,13 @@ def test_fetch_index_revisits_the_last_working_block():
 ])
 def test_default_block_sizes_per_generation(kind, dtype, expected):
   got = pallas_tpu.resolve_block_sizes(base.BlockSizes(), 16384, 16384, head_dim=128,
-                                       dtype=dtype, device_kind=kind)
+                                       group=4, dtype=dtype, device_kind=kind)
   assert got == expected
 
 
 def test_block_sizes_follow_tpu_tiling():
   resolve = pallas_tpu.resolve_block_sizes
-  kw = dict(head_dim=128, dtype=jnp.bfloat16, device_kind="TPU v5 lite")
+  kw = dict(head_dim=128, group=4, dtype=jnp.bfloat16, device_kind="TPU v5 lite")
   assert resolve(base.BlockSizes(), 96, 64, **kw) == (96, 64)     # whole short lengths
   assert resolve(base.BlockSizes(32, 128), 256, 256, **kw) == (32, 128)
   with pytest.raises(ValueError, match="block_sizes.block_k"):

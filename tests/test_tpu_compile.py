@@ -34,7 +34,7 @@ B, T, N, K, H = 1, 8 * 1024, 8, 2, 128      # 1024 tokens per chip
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(topology: str, causal: bool, head_dim: int = H):
+def _compiled(topology: str, causal: bool, head_dim: int = H, heads: int = N, kv_heads: int = K):
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
   mesh = Mesh(np.array(devices), ("sp",))
@@ -45,7 +45,8 @@ def _compiled(topology: str, causal: bool, head_dim: int = H):
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
-          for shape in ((B, T, N, head_dim), (B, T, K, head_dim), (B, T, K, head_dim))]
+          for shape in ((B, T, heads, head_dim), (B, T, kv_heads, head_dim),
+                        (B, T, kv_heads, head_dim))]
   compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
   return compiled.as_text()
 
@@ -82,9 +83,11 @@ def test_compiles_with_mosaic_kernels_and_moves_kv_only_by_permute(topology, cau
     assert not re.search(rf"\s{op}(-start)?\(", hlo), f"{op} in the compiled program"
 
 
-@pytest.mark.parametrize("head_dim", [64, 256])
-def test_other_head_dims_compile_with_mosaic_kernels(head_dim):
-  hlo = _compiled("v5p:2x2x2", True, head_dim)
+@pytest.mark.parametrize("topology,heads,kv_heads,head_dim", [
+    ("v5p:2x2x2", 8, 2, 64), ("v5p:2x2x2", 8, 2, 256),
+    ("v4:2x2x2", 32, 2, 128)])    # GQA group 16 on v4's 16 MiB of VMEM: shorter query tiles
+def test_other_shapes_compile_with_mosaic_kernels(topology, heads, kv_heads, head_dim):
+  hlo = _compiled(topology, True, head_dim, heads, kv_heads)
   kernels = re.findall(r"%(ringflash_\w+?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"",
                        hlo)
   assert {"ringflash_fwd", "ringflash_bwd_dkv", "ringflash_bwd_dq"} <= set(kernels), kernels
