@@ -127,6 +127,10 @@ def initialize() -> Processes:
   return _joined
 
 
+class InputsDifferError(ValueError):
+  """Processes passed inputs of different shapes or dtypes (every process raises it)."""
+
+
 def check_same_across_processes(arrays) -> None:
   """Raises unless every process passes arrays of the same names, shapes and dtypes.
 
@@ -138,7 +142,8 @@ def check_same_across_processes(arrays) -> None:
     arrays: {name: array-like with .shape and .dtype}, this process's inputs.
 
   Raises:
-    ValueError: the processes disagree; the message lists each process's shapes.
+    InputsDifferError (a ValueError): the processes disagree; every process raises it, and
+      the message lists each process's shapes.
   """
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
@@ -163,9 +168,9 @@ def check_same_across_processes(arrays) -> None:
       got = ", ".join(f"process {i}: " + ("missing" if p is None else f"{tuple(p[0])} {p[1]}")
                       for i, p in enumerate(per))
       lines.append(f"{name}: {got}")
-  raise ValueError("inputs differ across processes (every process must pass the same "
-                   "shapes and dtypes before ring attention runs); "
-                   + "; ".join(lines))
+  raise InputsDifferError("inputs differ across processes (every process must pass the "
+                          "same shapes and dtypes before ring attention runs); "
+                          + "; ".join(lines))
 
 
 def _env_int(name: str, default: int | None, *, minimum: int) -> int | None:
