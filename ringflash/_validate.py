@@ -11,6 +11,7 @@ import numpy as np
 
 from ringflash import layouts
 from ringflash.kernels import BACKENDS
+from ringflash.kernels import get_backend
 from ringflash.kernels import base
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -212,6 +213,39 @@ def resolve_backend(backend: str, platform: str, device=None) -> str:
       major = 0
     return "pallas_gpu" if major >= 9 else "xla"
   return "xla"
+
+
+def prepare(query, key, value, *, segment_ids, scale, backend: str, block_sizes, is_causal,
+            layout: str, local_window_size, bidirectional, ring_size: int, local: bool,
+            platform: str, device):
+  """Everything both entry points do before the ring: check, pick the backend, resolve tiles.
+
+  Args:
+    query, key, value, segment_ids, scale, backend, block_sizes, is_causal, layout,
+      local_window_size, bidirectional: as the public API takes them.
+    ring_size: devices along the ring axis.
+    local: the arrays are per-device shards (ring_attention_sharded).
+    platform, device: where the attention runs (the mesh's devices).
+
+  Returns:
+    (Checked, the backend module, the KernelSpec).
+
+  Raises:
+    ValueError: naming the argument, before any collective.
+  """
+  checked = check_inputs(query, key, value, segment_ids=segment_ids, scale=scale,
+                         backend=backend, ring_size=ring_size, local=local, layout=layout,
+                         local_window_size=local_window_size, bidirectional=bidirectional)
+  kernel = get_backend(resolve_backend(checked.backend, platform, device))
+  per_device = 1 if local else ring_size
+  q_unit, kv_unit = block_units(block_sizes, checked.layout, checked.bidirectional, ring_size,
+                                query.shape[1] // per_device, key.shape[1] // per_device)
+  spec = resolve_spec(
+      kernel, scale=checked.scale, causal=bool(is_causal), block_sizes=block_sizes,
+      q_len=q_unit, kv_len=kv_unit, head_dim=query.shape[3],
+      group=query.shape[2] // key.shape[2], dtype=query.dtype, platform=platform,
+      device_kind=getattr(device, "device_kind", ""), window=checked.window)
+  return checked, kernel, spec
 
 
 def resolve_spec(kernel, *, scale: float, causal: bool, block_sizes, q_len: int, kv_len: int,

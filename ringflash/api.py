@@ -11,7 +11,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringflash import _validate
-from ringflash.kernels import get_backend
 from ringflash.kernels.base import BlockSizes
 from ringflash.parallel.ring import ring_attention_local
 
@@ -69,20 +68,12 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh; its axes are "
                      f"{tuple(mesh.axis_names)}")
   ring_size = mesh.shape[axis_name]
-  checked = _validate.check_inputs(query, key, value, segment_ids=segment_ids, scale=scale,
-                                   backend=backend, ring_size=ring_size, local=False,
-                                   layout=layout, local_window_size=local_window_size,
-                                   bidirectional=bidirectional)
   device = mesh.devices.flat[0]
-  kernel = get_backend(_validate.resolve_backend(checked.backend, device.platform, device))
-  q_unit, kv_unit = _validate.block_units(block_sizes, checked.layout, checked.bidirectional,
-                                          ring_size, query.shape[1] // ring_size,
-                                          key.shape[1] // ring_size)
-  spec = _validate.resolve_spec(
-      kernel, scale=checked.scale, causal=bool(is_causal), block_sizes=block_sizes,
-      q_len=q_unit, kv_len=kv_unit, head_dim=query.shape[3],
-      group=query.shape[2] // key.shape[2], dtype=query.dtype,
-      platform=device.platform, device_kind=device.device_kind, window=checked.window)
+  checked, kernel, spec = _validate.prepare(
+      query, key, value, segment_ids=segment_ids, scale=scale, backend=backend,
+      block_sizes=block_sizes, is_causal=is_causal, layout=layout,
+      local_window_size=local_window_size, bidirectional=bidirectional, ring_size=ring_size,
+      local=False, platform=device.platform, device=device)
   batch, heads = _outer_axes(query, mesh, axis_name)
   _check_divisible(query, key, mesh, batch, heads)
 
@@ -136,20 +127,12 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
   except NameError as err:
     raise ValueError(f"axis_name {axis_name!r} is not a bound mesh axis here; call "
                      f"ring_attention_sharded inside shard_map over it") from err
-  checked = _validate.check_inputs(query, key, value, segment_ids=segment_ids, scale=scale,
-                                   backend=backend, ring_size=ring_size, local=True,
-                                   layout=layout, local_window_size=local_window_size,
-                                   bidirectional=bidirectional)
   platform, device = _current_platform()
-  kernel = get_backend(_validate.resolve_backend(checked.backend, platform, device))
-  q_unit, kv_unit = _validate.block_units(block_sizes, checked.layout, checked.bidirectional,
-                                          ring_size, query.shape[1], key.shape[1])
-  spec = _validate.resolve_spec(
-      kernel, scale=checked.scale, causal=bool(is_causal), block_sizes=block_sizes,
-      q_len=q_unit, kv_len=kv_unit, head_dim=query.shape[3],
-      group=query.shape[2] // key.shape[2], dtype=query.dtype,
-      platform=platform, device_kind=getattr(device, "device_kind", ""),
-      window=checked.window)
+  checked, kernel, spec = _validate.prepare(
+      query, key, value, segment_ids=segment_ids, scale=scale, backend=backend,
+      block_sizes=block_sizes, is_causal=is_causal, layout=layout,
+      local_window_size=local_window_size, bidirectional=bidirectional, ring_size=ring_size,
+      local=True, platform=platform, device=device)
   out, lse = ring_attention_local(query, key, value, checked.q_seg, checked.kv_seg, spec=spec,
                                   axis_name=axis_name, ring_size=ring_size, kernel=kernel,
                                   layout=checked.layout, bidirectional=checked.bidirectional)
