@@ -1,5 +1,7 @@
-"""The Hopper backend: Pallas Mosaic GPU forward (wgmma, TMA, warp specialization), Pallas
-Triton backward (kernels/pallas_gpu_bwd.py).
+"""The Hopper backend: Pallas Mosaic GPU forward (wgmma, TMA, warp specialization, here) and
+backward (kernels/pallas_gpu_mosaic_bwd.py, one fused kernel for head dims 64 and 128); the
+Pallas Triton backward (kernels/pallas_gpu_bwd.py) serves head dim 256, key lengths that are
+not a multiple of 128, and interpret mode on CPU.
 
 Forward layout of one CUDA block (grid: query heads x query-tile pairs x batch), three
 warpgroups: two compute warpgroups own `bq` query rows each (2 * bq rows per block) and one
@@ -47,6 +49,8 @@ _LN2 = math.log(2.0)
 # Fields of KernelSpec the kernels evaluate themselves.
 _KNOWN_SPEC_FIELDS = frozenset({"scale", "causal", "block_q", "block_k", "interpret",
                                  "window"})
+# Shared memory a CUDA block may use on Hopper (227 KiB).
+_SMEM_BYTES = 227 * 1024
 # Backward tile rows (query and key) of the Triton backward kernels.
 BWD_BLOCK = 64
 
@@ -100,7 +104,14 @@ def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *
   bk = dk if block_sizes.block_k is None else block_sizes.block_k
   if block_sizes.block_k is None and kv_len % bk and kv_len % 64 == 0:
     bk = 64
-  ForwardConfig(bq, bk)  # multiples of 64
+  cfg = ForwardConfig(bq, bk)  # multiples of 64
+  itemsize = jnp.dtype(dtype).itemsize
+  smem = (2 * bq * head_dim + 2 * cfg.stages * bk * head_dim) * itemsize + 2 * bq * 4
+  if smem > _SMEM_BYTES:
+    raise ValueError(f"block_sizes=({bq}, {bk}) at head_dim={head_dim} needs {smem} bytes of "
+                     f"shared memory per CUDA block (Q of 2 * block_q rows, {cfg.stages} "
+                     f"stages of K and V of block_k rows); Hopper has {_SMEM_BYTES} (backend "
+                     f"{NAME!r})")
   if q_len % (2 * bq) or q_len % BWD_BLOCK:
     raise ValueError(f"block_sizes.block_q={bq}: the local query length {q_len} must be a "
                      f"multiple of 2 * block_q = {2 * bq} (backend {NAME!r}; use "
@@ -243,7 +254,9 @@ def _forward_kernel_call(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: fl
            o_ref, lse_ref, scoped):
     bi = lax.axis_index("batch")
     head = lax.axis_index("heads")
-    pair = lax.axis_index("q_seq")
+    # Blocks start in grid order: the last query tiles first, which have the most key
+    # tiles under a causal mask, so that the short blocks fill the tail of the launch.
+    pair = (t // (2 * bq) - 1) - lax.axis_index("q_seq")
     wg = lax.axis_index("wg")
     (q_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = (
         scoped)
@@ -466,5 +479,10 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
     from ringflash.kernels import xla  # pylint: disable=g-import-not-at-top
     return xla.backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
                         dataclasses.replace(spec, interpret=False), dlse=dlse)
+  from ringflash.kernels import pallas_gpu_mosaic_bwd  # pylint: disable=g-import-not-at-top
+  if (not spec.interpret and pallas_gpu_mosaic_bwd.supports(q.shape[-1])
+      and k.shape[1] % (2 * pallas_gpu_mosaic_bwd.BLOCK) == 0):
+    return pallas_gpu_mosaic_bwd.backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
+                                          spec, dlse=dlse)
   return pallas_gpu_bwd.backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec,
                                  dlse=dlse)

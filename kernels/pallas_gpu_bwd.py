@@ -1,4 +1,7 @@
-"""Backward of the pallas_gpu backend: two Pallas Triton kernels (dq; dk and dv).
+"""Portable backward of the pallas_gpu backend: two Pallas Triton kernels (dq; dk and dv).
+
+Used where the fused Mosaic GPU backward (kernels/pallas_gpu_mosaic_bwd.py) does not apply:
+head dim 256, key lengths that are not a multiple of 128, and interpret mode on CPU.
 
 From the GLOBAL out and lse (kernels/base.py): p = exp(s - lse) is the final probability of
 each pair, D = rowsum(dout * out) - dlse, and for one (query tile, key tile)

@@ -1,10 +1,11 @@
 """Conformance of the pallas_gpu backend against the fp32 oracle (tests/oracle.py).
 
-The Mosaic GPU forward needs a Hopper GPU: with the installed jax it cannot run in interpret
-mode on CPU (the HLO interpreter rejects run_scoped over the warpgroup axis, and the GPU
-interpreter cannot lower wgmma). So the end-to-end cases run only where a GPU of compute
-capability >= 9.0 is present (JAX_PLATFORMS=cuda). On CPU, the tile plan and the Triton
-backward kernels (Pallas interpret mode) are checked.
+The Mosaic GPU kernels need a Hopper GPU to run: with the installed jax they cannot run in
+interpret mode on CPU (the HLO interpreter rejects run_scoped over the warpgroup axis, and the
+GPU interpreter cannot lower wgmma). So the numerical cases run only where a GPU of compute
+capability >= 9.0 is present (JAX_PLATFORMS=cuda). On CPU: the tile plan, the Triton backward
+kernels (Pallas interpret mode), and the lowering of both Mosaic GPU kernels for CUDA, which
+runs Mosaic GPU's layout inference and shared-memory budget check on this machine.
 
 bf16 criterion: error vs the fp32 oracle <= 2x the error of plain bf16 dense attention
 (3x for gradients); max absolute error over all elements.
@@ -22,6 +23,7 @@ import ringflash
 from ringflash.kernels import base
 from ringflash.kernels import pallas_gpu
 from ringflash.kernels import pallas_gpu_bwd
+from ringflash.kernels import pallas_gpu_mosaic_bwd
 import helpers
 import oracle
 
@@ -134,6 +136,65 @@ def test_backward_kernels_interpret(causal, segs, n, kh, window):
     assert float(jnp.abs(got[0][:, t - t // 8:]).max()) == 0.0
 
 
+# ----------------------------------------------------------------------------- CPU: lowering
+
+
+def _lower_for_cuda(fn, *shapes):
+  """Lowers fn for CUDA on this machine: Pallas -> Mosaic GPU, with its layout inference."""
+  return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+LOWER_CASES = [
+    # which, causal, segs, window, n, kh, h, t
+    ("forward", True, False, None, 4, 2, 128, 512),
+    ("forward", False, True, (40, 20), 4, 1, 64, 256),
+    ("forward", True, False, None, 2, 2, 256, 256),
+    ("backward", False, False, None, 4, 4, 128, 512),
+    ("backward", True, True, None, 8, 2, 128, 512),
+    ("backward", False, False, (40, 20), 2, 1, 128, 256),
+    ("backward", True, True, None, 4, 1, 64, 256),
+]
+
+
+@pytest.mark.parametrize("which,causal,segs,window,n,kh,h,t", LOWER_CASES)
+def test_mosaic_kernels_lower_for_cuda(which, causal, segs, window, n, kh, h, t):
+  b = 2 if segs else 1
+  q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
+  pos = jax.ShapeDtypeStruct((t,), jnp.int32)
+  seg = jax.ShapeDtypeStruct((b, t), jnp.int32) if segs else None
+  bq, bk = pallas_gpu.resolve_block_sizes(base.BlockSizes(), t, t, head_dim=h, group=n // kh,
+                                          dtype=jnp.bfloat16, device_kind="H200")
+  spec = base.KernelSpec(scale=h ** -0.5, causal=causal, block_q=bq, block_k=bk,
+                         window=window)
+  if which == "forward":
+    text = _lower_for_cuda(
+        lambda q, k, v, p, s: pallas_gpu.forward(q, k, v, p, p, s, s, spec), q, kv, kv, pos,
+        seg)
+  else:
+    assert pallas_gpu_mosaic_bwd.supports(h)
+    o = jax.ShapeDtypeStruct((b, t, n, h), jnp.float32)
+    lse = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
+    text = _lower_for_cuda(
+        lambda q, k, v, o, lse, do, p, s: pallas_gpu.backward(q, k, v, o, lse, do, p, p, s, s,
+                                                             spec),
+        q, kv, kv, o, lse, q, pos, seg)
+  # the kernel is a Mosaic GPU custom call, not a fallback
+  assert "mosaic_gpu" in text
+  assert "triton" not in text.lower()
+
+
+def test_forward_tiles_beyond_shared_memory_raise():
+  """bk = 128 at head dim 256 needs 320 KiB: a ValueError naming block_sizes, not a failed
+  compile."""
+  with pytest.raises(ValueError, match="block_sizes"):
+    pallas_gpu.resolve_block_sizes(base.BlockSizes(64, 128), 512, 512, head_dim=256, group=1,
+                                   dtype=jnp.bfloat16, device_kind="H200")
+  assert pallas_gpu.resolve_block_sizes(base.BlockSizes(64, 128), 512, 512, head_dim=128,
+                                        group=1, dtype=jnp.bfloat16,
+                                        device_kind="H200") == (64, 128)
+
+
 # ----------------------------------------------------------------------------- H200
 
 
@@ -189,6 +250,49 @@ def test_ring_one_gpu_matches_oracle(causal, segs, n, kh, h, t, dtype, grads):
   for name, g, w, p in zip(("dq", "dk", "dv"), got, want_g, plain_g):
     assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), name
     assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
+
+
+BWD_CASES = [
+    # causal, segs, window, n, kh, h, t, s
+    (False, False, None, 4, 2, 128, 512, 512),
+    (True, False, None, 4, 2, 128, 512, 512),
+    (True, True, None, 4, 4, 128, 512, 512),           # rows with no valid key
+    (False, False, (40, 20), 2, 2, 128, 512, 512),     # sliding window
+    (True, False, None, 8, 2, 64, 256, 512),           # GQA 4:1, T < S, head dim 64
+    (False, True, None, 4, 1, 64, 384, 256),           # MQA, T > S
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal,segs,window,n,kh,h,t,s", BWD_CASES)
+def test_mosaic_backward_matches_oracle(causal, segs, window, n, kh, h, t, s):
+  """The fused Mosaic GPU backward alone, from the oracle's out and lse (bf16 criterion)."""
+  b = 2 if segs else 1
+  q, k, v, do = helpers.inputs(3, b, t, s, n, kh, h, jnp.bfloat16)
+  q_seg, kv_seg = _segments(b, t, s, with_empty=True) if segs else (None, None)
+  q_pos = jnp.arange(t, dtype=jnp.int32)
+  k_pos = jnp.arange(s, dtype=jnp.int32)
+  spec = base.KernelSpec(scale=h ** -0.5, causal=causal, block_q=64, block_k=128,
+                         window=window)
+
+  def dense(upcast, q, k, v):
+    return oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
+                            upcast=upcast, window=window)[0]
+
+  out, lse = oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
+                              window=window)
+  got = jax.jit(lambda *a: pallas_gpu_mosaic_bwd.backward(*a, spec))(
+      q, k, v, out, lse, do, q_pos, k_pos, q_seg, kv_seg)
+  _, vjp32 = jax.vjp(lambda *a: dense(True, *a), q, k, v)
+  want = vjp32(do.astype(jnp.float32))
+  _, vjp16 = jax.vjp(lambda *a: dense(False, *a), q, k, v)
+  plain = vjp16(do)
+  for name, g, w, p in zip(("dq", "dk", "dv"), got, want, plain):
+    assert g.dtype == jnp.float32 and g.shape == w.shape, name
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
+  if segs:  # rows with no valid key: zero dq
+    assert float(jnp.abs(got[0][:, t - t // 8:]).max()) == 0.0
 
 
 @needs_hopper
