@@ -70,8 +70,12 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   work, full = pallas_gpu.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, BLOCK, BLOCK)
   # Key tiles in the role of query tiles: per key tile, the query tiles with work.
   plan = pallas_gpu.tile_plan(jnp.swapaxes(work, -1, -2), jnp.swapaxes(full, -1, -2))
+  # Jitted as one unit: the dQ accumulator is a Ref, which an eager shard_map (a ring run
+  # outside jit) could not hold between operations.
+  call = jax.jit(_kernel_call, static_argnames=("scale", "causal", "window", "stages",
+                                                "split_dq"))
   with pallas_gpu_bwd._no_vma_check():  # pylint: disable=protected-access
-    dq, dk, dv = _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan,
+    dq, dk, dv = call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan,
                               scale=spec.scale, causal=spec.causal, window=window,
                               stages=stages, split_dq=split_dq)
   return tuple(base.match_vma(x, *refs) for x in (dq, dk, dv))

@@ -198,6 +198,18 @@ def test_forward_tiles_beyond_shared_memory_raise():
 # ----------------------------------------------------------------------------- H200
 
 
+def _dense_grads(dense, q, k, v, do):
+  """Gradients of the dense oracle: fp32 (the reference) and plain low precision, jitted."""
+
+  @jax.jit
+  def grads(q, k, v, do):
+    _, vjp32 = jax.vjp(lambda *a: dense(True, *a), q, k, v)
+    _, vjp16 = jax.vjp(lambda *a: dense(False, *a), q, k, v)
+    return vjp32(do.astype(jnp.float32)), vjp16(do)
+
+  return grads(q, k, v, do)
+
+
 def _mesh():
   return Mesh(np.array(_hopper_devices()[:1]), ("sp",))
 
@@ -232,9 +244,12 @@ def test_ring_one_gpu_matches_oracle(causal, segs, n, kh, h, t, dtype, grads):
     return oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
                             upcast=upcast)[0]
 
-  (out, lse), vjp = jax.vjp(ours, q, k, v)
-  want, want_lse = oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg)
-  plain = dense(False, q, k, v)
+  # Everything under jit: run eagerly, each operation of the ring and of the oracle would be
+  # compiled on its own, which takes minutes per case on the GPU.
+  (out, lse), vjp = jax.jit(lambda *a: jax.vjp(ours, *a))(q, k, v)
+  want, want_lse = jax.jit(lambda *a: oracle.attention(*a, causal=causal, q_seg=q_seg,
+                                                       kv_seg=kv_seg))(q, k, v)
+  plain = jax.jit(lambda *a: dense(False, *a))(q, k, v)
   assert out.dtype == dtype
   assert _max_err(out, want) <= 2 * _max_err(plain, want)
   finite = jnp.isfinite(want_lse)
@@ -242,11 +257,8 @@ def test_ring_one_gpu_matches_oracle(causal, segs, n, kh, h, t, dtype, grads):
   assert float(jnp.max(jnp.where(finite, jnp.abs(lse - want_lse), 0.0))) < 2e-2
   if not grads:
     return
-  got = vjp((do, jnp.zeros_like(lse)))
-  _, vjp32 = jax.vjp(lambda *a: dense(True, *a), q, k, v)
-  want_g = vjp32(do.astype(jnp.float32))
-  _, vjp16 = jax.vjp(lambda *a: dense(False, *a), q, k, v)
-  plain_g = vjp16(do)
+  got = jax.jit(vjp)((do, jnp.zeros_like(lse)))
+  want_g, plain_g = _dense_grads(dense, q, k, v, do)
   for name, g, w, p in zip(("dq", "dk", "dv"), got, want_g, plain_g):
     assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), name
     assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
@@ -279,14 +291,11 @@ def test_mosaic_backward_matches_oracle(causal, segs, window, n, kh, h, t, s):
     return oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
                             upcast=upcast, window=window)[0]
 
-  out, lse = oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
-                              window=window)
+  out, lse = jax.jit(lambda *a: oracle.attention(*a, causal=causal, q_seg=q_seg,
+                                                 kv_seg=kv_seg, window=window))(q, k, v)
   got = jax.jit(lambda *a: pallas_gpu_mosaic_bwd.backward(*a, spec))(
       q, k, v, out, lse, do, q_pos, k_pos, q_seg, kv_seg)
-  _, vjp32 = jax.vjp(lambda *a: dense(True, *a), q, k, v)
-  want = vjp32(do.astype(jnp.float32))
-  _, vjp16 = jax.vjp(lambda *a: dense(False, *a), q, k, v)
-  plain = vjp16(do)
+  want, plain = _dense_grads(dense, q, k, v, do)
   for name, g, w, p in zip(("dq", "dk", "dv"), got, want, plain):
     assert g.dtype == jnp.float32 and g.shape == w.shape, name
     assert bool(jnp.all(jnp.isfinite(g))), name
