@@ -230,6 +230,26 @@ def tile_plan(work, full):
   return jnp.stack([u_lo, lo, flo, fhi, hi, u_hi, zero, zero], axis=-1).astype(jnp.int32)
 
 
+def in_tile_mask(qp, kp, q_seg, k_seg, *, causal: bool, window):
+  """base.mask inside a kernel, from positions and segment ids already broadcast to one
+  tile's [rows, cols] (any orientation; None where unused): bool, or None if nothing masks.
+
+  causal: k_pos <= q_pos; window (left, right): -right <= q_pos - k_pos <= left; segments:
+  equal ids. Example: q_pos 6 with window (3, 2) keeps k_pos 3..8.
+  """
+  valid = None
+  if causal:
+    valid = kp <= qp
+  if window is not None:
+    diff = qp - kp                               # i - j, as base.mask writes it
+    near = (diff <= window[0]) & (diff >= -window[1])
+    valid = near if valid is None else valid & near
+  if q_seg is not None:
+    same = q_seg == k_seg
+    valid = same if valid is None else valid & same
+  return valid
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -314,23 +334,17 @@ def _forward_kernel_call(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: fl
         s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
         if use_mask:
-          valid = None
+          qp = kp = qsg = ksg = None
           if use_pos:
             kpos = plgpu.load(kpos_ref.at[pl.ds(kv * bk, bk)], layout=col, optimized=False)
             qp = lax.broadcast_in_dim(qpos, (bq, bk), [0])
             kp = lax.broadcast_in_dim(kpos, (bq, bk), [1])
-          if causal:
-            valid = kp <= qp
-          if window is not None:
-            diff = qp - kp                               # i - j, as base.mask writes it
-            near = (diff <= window[0]) & (diff >= -window[1])
-            valid = near if valid is None else valid & near
           if has_seg:
             kseg = plgpu.load(kseg_ref.at[bi, pl.ds(kv * bk, bk)], layout=col,
                               optimized=False)
-            same = (lax.broadcast_in_dim(kseg, (bq, bk), [1])
-                    == lax.broadcast_in_dim(qseg, (bq, bk), [0]))
-            valid = same if valid is None else valid & same
+            qsg = lax.broadcast_in_dim(qseg, (bq, bk), [0])
+            ksg = lax.broadcast_in_dim(kseg, (bq, bk), [1])
+          valid = in_tile_mask(qp, kp, qsg, ksg, causal=causal, window=window)
           s = jnp.where(valid, s, -jnp.inf)
         # m is kept in base-2 units of the scaled logits: p = 2^(c s - m).
         m_new = jnp.maximum(m_i, s.max(axis=1) * c)

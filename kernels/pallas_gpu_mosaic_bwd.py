@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ringflash.kernels import base
+from ringflash.kernels import pallas_gpu
 
 _LOG2E = math.log2(math.e)
 BLOCK = 64        # query rows per step and key rows per compute warpgroup
@@ -57,7 +58,6 @@ def supports(head_dim: int) -> bool:
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
              dlse=None, stages: int = 2, split_dq: bool | None = None):
   """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32."""
-  from ringflash.kernels import pallas_gpu  # pylint: disable=g-import-not-at-top
   from ringflash.kernels import pallas_gpu_bwd  # pylint: disable=g-import-not-at-top
 
   window = getattr(spec, "window", None)
@@ -217,21 +217,16 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
         valid = None
         if use_mask:
           q0 = qt * bl
+          qp = kp = qsg = ksg = None
           if use_pos:
             qpos = plgpu.load(qpos_ref.at[pl.ds(q0, bl)], layout=col, optimized=False)
             kp = lax.broadcast_in_dim(kpos, (bl, bl), [0])
             qp = lax.broadcast_in_dim(qpos, (bl, bl), [1])
-          if causal:
-            valid = kp <= qp
-          if window is not None:
-            diff = qp - kp                               # i - j, as base.mask writes it
-            near = (diff <= window[0]) & (diff >= -window[1])
-            valid = near if valid is None else valid & near
           if has_seg:
             qseg = plgpu.load(qseg_ref.at[bi, pl.ds(q0, bl)], layout=col, optimized=False)
-            same = (lax.broadcast_in_dim(kseg, (bl, bl), [0])
-                    == lax.broadcast_in_dim(qseg, (bl, bl), [1]))
-            valid = same if valid is None else valid & same
+            ksg = lax.broadcast_in_dim(kseg, (bl, bl), [0])
+            qsg = lax.broadcast_in_dim(qseg, (bl, bl), [1])
+          valid = pallas_gpu.in_tile_mask(qp, kp, qsg, ksg, causal=causal, window=window)
           pt = jnp.where(valid, pt, 0.0)
         pt16 = pt.astype(dtype)
         plgpu.barrier_wait(do_bar.at[slot])
