@@ -250,6 +250,15 @@ def in_tile_mask(qp, kp, q_seg, k_seg, *, causal: bool, window):
   return valid
 
 
+def warp_specialized(entry, out_type, *, grid, grid_names):
+  """plgpu.kernel with this backend's block shape: compute warpgroups 0 and 1, memory
+  warpgroup 2, on the thread axis "wg"."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
+                      num_threads=3, thread_name="wg",
+                      compiler_params=plgpu.CompilerParams(approx_math=True))
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -452,16 +461,10 @@ def _forward_kernel_call(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: fl
     k_seg = jnp.zeros((b, k.shape[1]), jnp.int32)
   out_type = (jax.ShapeDtypeStruct((b, n, t, h), jnp.float32),
               jax.ShapeDtypeStruct((b, n, t), jnp.float32))
-  return plgpu.kernel(
-      entry,
-      out_type=out_type,
-      grid=(n, t // (2 * bq), b),
-      grid_names=("heads", "q_seq", "batch"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), q_seg.astype(jnp.int32),
-    k_seg.astype(jnp.int32), plan)
+  return warp_specialized(entry, out_type, grid=(n, t // (2 * bq), b),
+                          grid_names=("heads", "q_seq", "batch"))(
+      q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), q_seg.astype(jnp.int32),
+      k_seg.astype(jnp.int32), plan)
 
 
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):

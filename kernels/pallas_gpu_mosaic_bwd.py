@@ -325,14 +325,9 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
   out_type = (jax.ShapeDtypeStruct((b, s, kh, h), jnp.float32),
               jax.ShapeDtypeStruct((b, s, kh, h), jnp.float32))
 
-  dk, dv = plgpu.kernel(
-      entry,  # inputs, then the dQ accumulator (a Ref), then dK, dV
-      out_type=out_type,
-      grid=(kh, s // (2 * bl), b),
-      grid_names=("heads", "kv_seq", "batch"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, dout, ld, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
-    q_seg.astype(jnp.int32), k_seg.astype(jnp.int32), plan, dq_acc)
+  # entry's refs: the inputs, then the dQ accumulator (a Ref), then dK, dV
+  dk, dv = pallas_gpu.warp_specialized(entry, out_type, grid=(kh, s // (2 * bl), b),
+                                       grid_names=("heads", "kv_seq", "batch"))(
+      q, k, v, dout, ld, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
+      q_seg.astype(jnp.int32), k_seg.astype(jnp.int32), plan, dq_acc)
   return jax.freeze(dq_acc), dk, dv
