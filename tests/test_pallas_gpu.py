@@ -66,12 +66,16 @@ def _max_err(x, ref):
 # ----------------------------------------------------------------------------- CPU: plan
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("causal,segs,window", [(True, False, None), (False, True, None),
                                                 (True, True, None), (False, False, (100, 30)),
                                                 (True, True, (200, 0))])
-def test_tile_plan_is_conservative(causal, segs, window):
+def test_tile_plan_is_conservative(causal, segs, window, transposed):
+  """The forward's plan (per query tile, over key tiles of 128) and, transposed, the Mosaic
+  backward's (per key tile of 64, over query tiles of 64) skip only tiles with no valid pair
+  and run unmasked only over tiles whose every pair is valid."""
   t = s = 512
-  bq, bk = 64, 128
+  bq, bk = (64, 64) if transposed else (64, 128)
   rng = np.random.default_rng(0)
   # zigzag-like positions: two chunks per device, sorted within each
   q_pos = jnp.asarray(np.concatenate([np.arange(0, 256), np.arange(768, 1024)]), jnp.int32)
@@ -82,15 +86,18 @@ def test_tile_plan_is_conservative(causal, segs, window):
     k_seg = jnp.asarray(np.sort(rng.integers(0, 4, (2, s)), axis=1), jnp.int32)
   spec = base.KernelSpec(scale=1.0, causal=causal, block_q=bq, block_k=bk, window=window)
   work, full = pallas_gpu.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)
-  plan = np.asarray(pallas_gpu.tile_plan(work, full))
   valid = np.asarray(base.mask(q_pos, k_pos, q_seg, k_seg, spec))         # [B|1, T, S]
   tiles = valid.reshape(valid.shape[0], t // bq, bq, s // bk, bk)
   any_valid = tiles.any(axis=(2, 4))
   all_valid = tiles.all(axis=(2, 4))
+  if transposed:  # rows: key tiles; as pallas_gpu_mosaic_bwd.backward builds its plan
+    work, full = jnp.swapaxes(work, -1, -2), jnp.swapaxes(full, -1, -2)
+    any_valid, all_valid = np.swapaxes(any_valid, -1, -2), np.swapaxes(all_valid, -1, -2)
+  plan = np.asarray(pallas_gpu.tile_plan(work, full))
   nb = max(plan.shape[0], any_valid.shape[0])
   for bi in range(nb):
     p = plan[min(bi, plan.shape[0] - 1)]
-    for i in range(t // bq):
+    for i in range(p.shape[0]):
       u_lo, lo, flo, fhi, hi, u_hi = p[i, :6]
       assert u_lo <= lo <= flo <= fhi <= hi <= u_hi
       j_valid = np.nonzero(any_valid[min(bi, any_valid.shape[0] - 1), i])[0]
