@@ -196,6 +196,17 @@ def match_vma(x, *refs):
   return lax.pvary(x, missing)  # jax releases before pcast
 
 
+def no_vma_check():
+  """A context in which values are traced without mesh-axis typing.
+
+  Pallas GPU kernels (Mosaic GPU's plgpu.kernel does this itself, Triton's pallas_call does
+  not) cannot type their outputs by mesh axes inside shard_map: their calls are traced in
+  this context and the outputs re-typed with match_vma.
+  """
+  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+  return jax_config._check_vma(False)  # pylint: disable=protected-access
+
+
 def filled(shape, value, refs, dtype=jnp.float32):
   """jnp.full(shape, value, dtype) typed as varying like `refs` (see match_vma)."""
   return match_vma(jnp.full(shape, value, dtype), *refs)

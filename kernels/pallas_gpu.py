@@ -171,7 +171,7 @@ def tile_flags(q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec, bq: int, bk: i
   full = jnp.ones(work.shape, jnp.bool_)
   if spec.causal:
     full = full & (kr[None, None, :, 1] <= qr[None, :, None, 0])
-  window = getattr(spec, "window", None)
+  window = spec.window
   if window is not None:
     left, right = window
     # every pair has -right <= i - j <= left: q_hi - k_lo <= left and k_hi - q_lo <= right
@@ -479,10 +479,9 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   cfg = ForwardConfig(spec.block_q, spec.block_k, stages=2)
   work, full = tile_flags(q_pos, k_pos, q_seg, k_seg, spec, cfg.block_q, cfg.block_k)
   plan = tile_plan(work, full)
-  from ringflash.kernels import pallas_gpu_bwd  # pylint: disable=g-import-not-at-top
-  with pallas_gpu_bwd._no_vma_check():  # pylint: disable=protected-access
+  with base.no_vma_check():
     o, lse = _forward_kernel_call(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, scale=spec.scale,
-                                  causal=spec.causal, window=getattr(spec, "window", None),
+                                  causal=spec.causal, window=spec.window,
                                   has_seg=q_seg is not None, cfg=cfg)
   refs = (q, k, v, q_pos, k_pos, q_seg, k_seg)
   return base.match_vma(o.transpose(0, 2, 1, 3), *refs), base.match_vma(lse, *refs)

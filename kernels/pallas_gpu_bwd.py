@@ -135,7 +135,7 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   bq = bk = block
   nq, nk = t // bq, s // bk
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
-  window = getattr(spec, "window", None)
+  window = spec.window
 
   delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
   if dlse is not None:
@@ -149,15 +149,10 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   k_pos = k_pos.astype(jnp.int32)
   # Inside shard_map the kernels see per-device values; like plgpu.kernel, trace the calls
   # without mesh-axis typing and restore it on the outputs (match_vma below).
-  with _no_vma_check():
+  with base.no_vma_check():
     dq, dk, dv = _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng,
                         k_rng, spec, window, bq, bk)
   return tuple(base.match_vma(x, *refs) for x in (dq, dk, dv))
-
-
-def _no_vma_check():
-  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
-  return jax_config._check_vma(False)  # pylint: disable=protected-access
 
 
 def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_rng, spec,

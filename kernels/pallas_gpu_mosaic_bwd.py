@@ -56,11 +56,8 @@ def supports(head_dim: int) -> bool:
 
 
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
-             dlse=None, stages: int = 2, split_dq: bool | None = None):
+             dlse=None, stages: int = 2):
   """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32."""
-  from ringflash.kernels import pallas_gpu_bwd  # pylint: disable=g-import-not-at-top
-
-  window = getattr(spec, "window", None)
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
   delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
   if dlse is not None:
@@ -70,20 +67,19 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   work, full = pallas_gpu.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, BLOCK, BLOCK)
   # Key tiles in the role of query tiles: per key tile, the query tiles with work.
   plan = pallas_gpu.tile_plan(jnp.swapaxes(work, -1, -2), jnp.swapaxes(full, -1, -2))
-  # Jitted as one unit: the dQ accumulator is a Ref, which an eager shard_map (a ring run
-  # outside jit) could not hold between operations.
-  call = jax.jit(_kernel_call, static_argnames=("scale", "causal", "window", "stages",
-                                                "split_dq"))
-  with pallas_gpu_bwd._no_vma_check():  # pylint: disable=protected-access
-    dq, dk, dv = call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan,
-                              scale=spec.scale, causal=spec.causal, window=window,
-                              stages=stages, split_dq=split_dq)
+  with base.no_vma_check():
+    dq, dk, dv = _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan,
+                              scale=spec.scale, causal=spec.causal, window=spec.window,
+                              stages=stages)
   return tuple(base.match_vma(x, *refs) for x in (dq, dk, dv))
 
 
+# Jitted as one unit: the dQ accumulator is a Ref, which an eager shard_map (a ring run
+# outside jit) could not hold between operations.
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "stages"))
 def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float,
-                 causal: bool, window, stages: int, split_dq: bool | None):
-  """dq float32 [B, T, N, H]; dk, dv float32 [B, K, S, H]."""
+                 causal: bool, window, stages: int):
+  """dq float32 [B, T, N, H]; dk, dv float32 [B, S, K, H]."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
 
@@ -94,7 +90,7 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
   bl = BLOCK
   # dQ's columns are split between the warpgroups at H = 128 (64 each, one 128-byte swizzle
   # tile of K); at H = 64 (a 32-column wgmma does not lower) the warpgroups alternate steps.
-  split = h > 64 if split_dq is None else split_dq
+  split = h > 64
   hh = h // 2 if split else h                   # dQ columns per product
   nsplit = h // hh                              # K is stored in nsplit column parts
   c = float(scale * _LOG2E)
