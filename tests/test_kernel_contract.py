@@ -13,25 +13,6 @@ from ringflash.kernels import KernelSpec, xla
 from ringflash.parallel import merge
 
 
-def _dense_pair(q, k, v, q_pos, k_pos, causal, scale):
-  """Oracle for a block pair at arbitrary global positions: dense scores, explicit mask."""
-  qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
-  g = q.shape[2] // k.shape[2]
-  kf, vf = jnp.repeat(kf, g, axis=2), jnp.repeat(vf, g, axis=2)
-  s = jnp.einsum("btnh,bsnh->bnts", qf, kf, precision="highest") * scale
-  valid = jnp.ones(s.shape[-2:], bool)
-  if causal:
-    valid = k_pos[None, :] <= q_pos[:, None]
-  s = jnp.where(valid, s, -jnp.inf)
-  row = valid.any(-1)
-  m = jnp.where(row, s.max(-1), 0.0)
-  p = jnp.where(valid, jnp.exp(s - m[..., None]), 0.0)
-  l = p.sum(-1)
-  o = jnp.einsum("bnts,bsnh->btnh", p / jnp.where(row, l, 1.0)[..., None], vf,
-                 precision="highest")
-  return o, jnp.where(row, m + jnp.log(jnp.where(row, l, 1.0)), -jnp.inf)
-
-
 @pytest.mark.parametrize("q_start,k_start", [(64, 0), (0, 64), (32, 16)])
 def test_forward_on_a_block_pair_at_global_positions(q_start, k_start):
   q, k, v, _ = helpers.inputs(0, 2, 32, 48, 4, 2, 32, jnp.float32)
@@ -39,7 +20,8 @@ def test_forward_on_a_block_pair_at_global_positions(q_start, k_start):
   k_pos = k_start + jnp.arange(48, dtype=jnp.int32)
   spec = KernelSpec(scale=0.2, causal=True, block_q=8, block_k=16)
   o, lse = jax.jit(xla.forward, static_argnums=7)(q, k, v, q_pos, k_pos, None, None, spec)
-  o_ref, lse_ref = _dense_pair(q, k, v, q_pos, k_pos, True, 0.2)
+  o_ref, lse_ref = oracle.attention(q, k, v, causal=True, scale=0.2, q_pos=q_pos,
+                                    kv_pos=k_pos)
   assert o.dtype == jnp.float32 and lse.shape == (2, 4, 32)
   assert helpers.max_err(o, o_ref) <= 1e-5
   assert helpers.max_err(lse, lse_ref) <= 1e-5
@@ -54,7 +36,8 @@ def test_two_block_pairs_merge_into_full_attention():
   a = xla.forward(q, k[:, :32], v[:, :32], q_pos, pos[:32], None, None, spec)
   b = xla.forward(q, k[:, 32:], v[:, 32:], q_pos, pos[32:], None, None, spec)
   o, lse = merge(*a, *b)
-  o_ref, lse_ref = _dense_pair(q, k, v, q_pos, pos, True, 0.25)
+  o_ref, lse_ref = oracle.attention(q, k, v, causal=True, scale=0.25, q_pos=q_pos,
+                                    kv_pos=pos)
   assert helpers.max_err(o, o_ref) <= 1e-5 and helpers.max_err(lse, lse_ref) <= 1e-5
 
 

@@ -18,35 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import helpers
 import hlo as hlo_text
 import oracle
 import ringflash
 from ringflash import layouts
 from ringflash.kernels import base
 
-FP32_TOL = 1e-4
 N, H = 4, 32
-
-
-def _tol(ref):
-  # ~1e-4 absolute on O(1) values; gradients summed over many rows scale with their size.
-  return FP32_TOL * max(1.0, float(np.max(np.abs(np.asarray(ref)))))
-
-
-def _max_err(a, b):
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  both = np.isneginf(a) & np.isneginf(b)
-  return float(np.max(np.where(both, 0.0, np.abs(a - b))))
-
-
-def _mesh(ring_size):
-  devices = jax.devices()
-  if len(devices) < ring_size:
-    pytest.skip(f"needs {ring_size} devices, have {len(devices)}")
-  return Mesh(np.array(devices[:ring_size]), ("sp",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +71,7 @@ def _inputs(case: Case):
 @functools.lru_cache(maxsize=None)
 def _program(case: Case):
   """The compiled forward+backward of ring_attention for `case`, on layout-ordered inputs."""
-  mesh = _mesh(case.ring_size)
+  mesh = helpers.mesh_of(case.ring_size)
 
   def run(q, k, v, dout, *seg):
     def attn(q, k, v):
@@ -131,13 +112,6 @@ def _oracle(case: Case):
   return tuple(np.asarray(x) for x in (out, lse) + vjp((dout, jnp.zeros_like(lse))))
 
 
-def _check(got, ref):
-  for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
-    err = _max_err(g, r)
-    assert np.isfinite(err), f"{name}: non-finite error"
-    assert err <= _tol(r), f"{name}: error {err:.3g} > {_tol(r):.3g}"
-
-
 # Each layout: causal and not, with and without segment ids, K = 1, 2, 4 (MQA, GQA, MHA),
 # ring sizes 2, 4, 8. T = 16 tokens per device at P = 8 (zigzag chunks of 8 = one tile).
 LAYOUT_CASES = [
@@ -176,13 +150,13 @@ SLOW_CASES = [
 
 @pytest.mark.parametrize("case", LAYOUT_CASES + WINDOW_CASES + BIDI_CASES, ids=str)
 def test_matches_oracle(case):
-  _check(_ring_natural(case), _oracle(case))
+  helpers.check(_ring_natural(case), _oracle(case))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW_CASES, ids=str)
 def test_matches_oracle_slow(case):
-  _check(_ring_natural(case), _oracle(case))
+  helpers.check(_ring_natural(case), _oracle(case))
 
 
 def test_bidirectional_equals_unidirectional():
@@ -190,7 +164,7 @@ def test_bidirectional_equals_unidirectional():
   uni = dataclasses.replace(bidi, bidirectional=False)
   for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), _ring_natural(bidi),
                         _ring_natural(uni)):
-    assert _max_err(a, b) <= 1e-5 * max(1.0, float(np.max(np.abs(b)))), name
+    assert helpers.max_err(a, b) <= 1e-5 * max(1.0, float(np.max(np.abs(b)))), name
 
 
 # ---------------------------------------------------------------------------------------
@@ -235,7 +209,7 @@ def _shift_pairs(ring_size, shift):
 @functools.lru_cache(maxsize=None)
 def _forward_permutes(ring_size, window, bidirectional, causal=True):
   """Executed collective-permutes of a contiguous forward pass, T = 16 per device."""
-  mesh = _mesh(ring_size)
+  mesh = helpers.mesh_of(ring_size)
   q = jax.ShapeDtypeStruct((1, 16 * ring_size, N, H), jnp.float32)
   kv = jax.ShapeDtypeStruct((1, 16 * ring_size, 2, H), jnp.float32)
   fn = jax.jit(lambda q, k, v: ringflash.ring_attention(
@@ -391,7 +365,7 @@ def test_round_trip(layout, ring_size):
 
 
 def _call(t=64, ring_size=4, **kw):
-  mesh = _mesh(ring_size)
+  mesh = helpers.mesh_of(ring_size)
   q = jnp.zeros((1, t, N, H))
   k = jnp.zeros((1, t, 2, H))
   return ringflash.ring_attention(q, k, k, mesh=mesh, **kw)
@@ -431,7 +405,7 @@ def test_bad_layout_arguments():
 def test_sharded_entry_with_layout():
   # Inside the caller's shard_map, shards in striped order: device i holds tokens i, i+4, ..
   case = Case("striped", 4, causal=True, segments=False, kv_heads=2, window=(20, 0))
-  mesh = _mesh(4)
+  mesh = helpers.mesh_of(4)
   q, k, v, _, _ = _inputs(case)
 
   def body(q, k, v):
@@ -444,11 +418,11 @@ def test_sharded_entry_with_layout():
   to = functools.partial(ringflash.to_layout, layout="striped", ring_size=4)
   out = ringflash.from_layout(fn(to(q), to(k), to(v)), "striped", 4)
   ref, _ = oracle.attention(q, k, v, causal=True, window=(20, 0))
-  assert _max_err(out, ref) <= _tol(ref)
+  assert helpers.max_err(out, ref) <= helpers.fp32_tol(ref)
 
 
 def test_sharded_entry_validates_layout():
-  mesh = _mesh(4)
+  mesh = helpers.mesh_of(4)
 
   def body(q, k):
     return ringflash.ring_attention_sharded(q, k, k, axis_name="sp", layout="zigzag")

@@ -75,7 +75,8 @@ def test_tile_plan_is_conservative(causal, segs, window, transposed):
   backward's (per key tile of 64, over query tiles of 64) skip only tiles with no valid pair
   and run unmasked only over tiles whose every pair is valid."""
   t = s = 512
-  bq, bk = (64, 64) if transposed else (64, 128)
+  b_ = pallas_gpu_mosaic_bwd.BLOCK
+  bq, bk = (b_, b_) if transposed else (64, 128)
   rng = np.random.default_rng(0)
   # zigzag-like positions: two chunks per device, sorted within each
   q_pos = jnp.asarray(np.concatenate([np.arange(0, 256), np.arange(768, 1024)]), jnp.int32)

@@ -13,30 +13,6 @@ import helpers
 import ringflash
 
 BACKEND = "xla"
-FP32_TOL = 1e-4
-
-
-def _fp32_tol(ref):
-  # ~1e-4 absolute on O(1) values; gradients summed over many rows are larger, scale with them.
-  return FP32_TOL * max(1.0, float(jnp.max(jnp.abs(jnp.asarray(ref, jnp.float32)))))
-
-
-def _check(got, ref, plain=None):
-  """got/ref/plain: (out, lse, dq, dk, dv). fp32: absolute tolerance; bf16: FlashAttention's
-  criterion, error vs the fp32 oracle <= 2x (outputs) or 3x (gradients) the error of a plain
-  low-precision dense implementation."""
-  names = ("out", "lse", "dq", "dk", "dv")
-  for i, name in enumerate(names):
-    err = helpers.max_err(got[i], ref[i])
-    assert np.isfinite(err), f"{name}: non-finite error"
-    if plain is None:
-      assert err <= _fp32_tol(ref[i]), f"{name}: error {err:.3g} > {_fp32_tol(ref[i]):.3g}"
-    else:
-      factor = 2.0 if i < 2 else 3.0
-      base_err = helpers.max_err(plain[i], ref[i])
-      assert err <= factor * base_err, (
-          f"{name}: error {err:.3g} > {factor} x plain low-precision error {base_err:.3g}")
-
 
 # (id, B, T, S, N, K, H, causal, segments, dtype, block_sizes)
 CASES = [
@@ -76,7 +52,7 @@ def test_matches_oracle(case):
   plain = None
   if dtype != jnp.float32:
     plain = helpers.oracle_fwd_bwd(q, key, v, dout, causal=causal, segment_ids=seg, upcast=False)
-  _check(got, ref, plain)
+  helpers.check(got, ref, plain)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
@@ -116,7 +92,7 @@ def test_rows_without_valid_key_give_zero_and_finite_zero_gradients():
     assert np.all(np.isfinite(np.asarray(g)))
   assert np.all(np.asarray(dq)[0, empty] == 0.0)
   ref = helpers.oracle_fwd_bwd(q, key, v, dout, causal=True, segment_ids=(q_ids, kv_ids))
-  _check((out, lse, dq, dk, dv), ref)
+  helpers.check((out, lse, dq, dk, dv), ref)
 
 
 def test_nan_in_masked_positions_does_not_leak():
@@ -149,7 +125,7 @@ def test_nan_in_masked_positions_does_not_leak():
   for g, r in zip(grads, ref_grads):
     g, r = np.asarray(g)[0, ~bad], np.asarray(r)[0, ~bad]
     assert np.all(np.isfinite(g))
-    assert np.max(np.abs(g - r)) <= _fp32_tol(r)
+    assert np.max(np.abs(g - r)) <= helpers.fp32_tol(r)
 
 
 def test_jit_grad_compose_and_output_is_sequence_sharded():
@@ -163,7 +139,7 @@ def test_jit_grad_compose_and_output_is_sequence_sharded():
   g = jax.jit(jax.grad(loss))(q, key, v)
   g_ref = jax.grad(lambda q, k, v: jnp.sum(
       helpers.oracle.attention(q, k, v, causal=True)[0] ** 2))(q, key, v)
-  assert helpers.max_err(g, g_ref) <= _fp32_tol(g_ref)
+  assert helpers.max_err(g, g_ref) <= helpers.fp32_tol(g_ref)
   out = ringflash.ring_attention(q, key, v, mesh=mesh)
   assert isinstance(out.sharding, NamedSharding)
   assert out.sharding.spec[1] == "sp"
@@ -175,7 +151,7 @@ def test_default_mesh_and_scale():
   q, key, v, _ = helpers.inputs(7, b, t, t, n, n, h, jnp.float32)
   out = ringflash.ring_attention(q, key, v, scale=0.3)      # mesh=None: all 8 devices
   ref, _ = helpers.oracle.attention(q, key, v, scale=0.3)
-  assert helpers.max_err(out, ref) <= FP32_TOL
+  assert helpers.max_err(out, ref) <= helpers.FP32_TOL
   assert out.sharding.shard_shape(out.shape)[1] == t // len(jax.devices())
 
 
@@ -195,7 +171,7 @@ def test_other_mesh_axes_keep_their_sharding(outer):
   fn = jax.jit(lambda q, k, v: ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=True))
   out = fn(q, key, v)
   assert out.sharding.spec[:3] == tuple(spec) + (None,) * (3 - len(spec))
-  assert helpers.max_err(out, ref) <= FP32_TOL
+  assert helpers.max_err(out, ref) <= helpers.FP32_TOL
   text = fn.lower(q, key, v).compile().as_text()
   assert "all-gather" not in text and "all-to-all" not in text
   # Eagerly, on a mesh with Auto axes, the arrays' own NamedSharding is read.
@@ -203,7 +179,7 @@ def test_other_mesh_axes_keep_their_sharding(outer):
   q, key, v = (jax.device_put(x, NamedSharding(auto_mesh, spec)) for x in host)
   out = ringflash.ring_attention(q, key, v, mesh=auto_mesh, is_causal=True)
   assert out.sharding.spec[:3] == tuple(spec) + (None,) * (3 - len(spec))
-  assert helpers.max_err(out, ref) <= FP32_TOL
+  assert helpers.max_err(out, ref) <= helpers.FP32_TOL
 
 
 def test_ring_attention_sharded_inside_callers_shard_map():
@@ -221,7 +197,7 @@ def test_ring_attention_sharded_inside_callers_shard_map():
   (out, lse), vjp = jax.vjp(lambda a, b_, c: fn(a, b_, c, seg), q, key, v)
   grads = vjp((dout, jnp.zeros_like(lse)))
   ref = helpers.oracle_fwd_bwd(q, key, v, dout, causal=True, segment_ids=seg)
-  _check((out, lse) + tuple(grads), ref)
+  helpers.check((out, lse) + tuple(grads), ref)
 
 
 def test_lse_cotangent_flows():
@@ -241,4 +217,4 @@ def test_lse_cotangent_flows():
   ref = jax.grad(loss(lambda q, k, v: helpers.oracle.attention(q, k, v, causal=True)),
                  argnums=(0, 1, 2))(q, key, v)
   for g, r in zip(got, ref):
-    assert helpers.max_err(g, r) <= _fp32_tol(r)
+    assert helpers.max_err(g, r) <= helpers.fp32_tol(r)
