@@ -41,7 +41,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("head_dim", 32, "H")
   flags.DEFINE_boolean("causal", True, "causal mask")
   flags.DEFINE_integer("seed", 0, "seed of the inputs (the same on every process)")
-  flags.DEFINE_integer("repeat", 1, "forward+backward passes; each is verified")
+  flags.DEFINE_integer("repeat", 1, "forward+backward passes; the last one is verified")
   flags.DEFINE_float("tolerance", 1e-4, "largest accepted error, relative to "
                      "max(1, max |reference|), per output")
   flags.DEFINE_string("out_dir", "", "if set, each process writes the values it "

@@ -27,7 +27,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 _PARTIAL = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
@@ -174,8 +173,3 @@ class Checkpoints:
                     f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}")
     return Restored(step=step, state=state, meta=meta), ""
 
-
-def abstract_like(tree, shardings) -> Any:
-  """ShapeDtypeStructs of `tree`'s arrays carrying `shardings` (a matching pytree)."""
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
-                      tree, shardings)

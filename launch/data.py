@@ -27,8 +27,8 @@ Vocabulary, in this order (F fillers, K keys, V values):
   values [F + K*V + K, F + K*V + K + V).
 
 Every batch is a pure function of (seed, step): restoring the step restores the stream, and
-any process can build any part of the global batch (multi-process runs build only the rows
-they hold).
+any process can build any part of the global batch (`batch(rows=...)`); the training job
+builds the whole batch on every process and places each process's rows from it.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The commands, in order (`--dry-run` prints exactly these):
                                      <log_dir>/worker_<w>.log --worker=<w>, w = 0 .. workers-1
 
 Steps 1-3 stop the launch on failure; step 5 runs whatever step 4 returned, and the launch
-exits with step 4's status.
+exits with 1 if step 4 (or an earlier step) failed, else 0.
 """
 
 from __future__ import annotations

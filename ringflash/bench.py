@@ -9,6 +9,8 @@ Modes (--mode):
   virtual  the ring's per-step cost on one GPU: P ring steps (the local K/V block standing
            in for the received one; kernel + LSE merge, as parallel/ring.py runs them)
            against one kernel call over the whole length P * T_local.
+  layouts  the causal ring per layout (contiguous, zigzag, striped) on one device: each
+           simulated device's P steps with its own positions, timed; max/mean shows balance.
   scaling  weak scaling over the local GPUs: ring_attention on P = 1, 2, 4, ... devices with
            T/P per device in --seq_lens; efficiency = per-device TFLOP/s of the ring at P over
            the single-device kernel at the same per-device length.
@@ -83,7 +85,6 @@ def _inputs(b, t, n, kh, h):
 def _attention_fns(impl, causal, mesh):
   """(forward, forward+backward) jitted callables of q, k, v, do for one implementation."""
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import ringflash  # pylint: disable=g-import-not-at-top
 
   if impl == "cudnn":
@@ -103,7 +104,6 @@ def _attention_fns(impl, causal, mesh):
     dq, dk, dv = vjp(do)
     return out, dq, dk, dv
 
-  del jnp
   return fwd, fwd_bwd
 
 

@@ -47,7 +47,8 @@ def run(argv: list[str] | None = None) -> None:
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   module = importlib.import_module(SUBCOMMANDS[name][0])
   module.define_flags()
-  if any(a in ("-h", "--help") for a in argv[2:]):
+  own = argv[2:argv.index("--")] if "--" in argv else argv[2:]   # after "--": a job's
+  if any(a in ("-h", "--help") for a in own):
     print(f"usage: ringflash {name} [--flags]   ({SUBCOMMANDS[name][1]})\n")
     print(flags.FLAGS.module_help(module))
     sys.exit(0)

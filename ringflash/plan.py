@@ -36,9 +36,8 @@ def define_flags() -> None:
                     "forward only, or forward + backward (value_and_grad)")
   flags.DEFINE_string("backend", "auto", "ringflash backend")
 
-  # HBM per chip, by the topology name's prefix.
 
-
+# HBM per chip, by the topology name's prefix.
 HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 10**9, "v5litepod": 16 * 10**9,
              "v5p": 95 * 2**30, "v6e": 32 * 10**9}
 
