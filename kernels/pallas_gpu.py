@@ -82,7 +82,7 @@ def _default_blocks(head_dim: int) -> tuple[int, int]:
 
 
 def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *,
-                        head_dim: int, group: int, dtype,
+                        head_dim: int, kv_heads: int, group: int, dtype,
                         device_kind: str) -> tuple[int, int]:
   """Tile sizes (bq, bk) for local lengths q_len, kv_len.
 
@@ -93,7 +93,7 @@ def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *
     ValueError: naming block_sizes, when a size is not a multiple of 64 or does not tile
       the local lengths; or when head_dim or dtype is unsupported.
   """
-  del device_kind, group  # one default for Hopper parts (H100, H200), any GQA group
+  del device_kind, kv_heads, group  # one default for Hopper parts (H100, H200), any GQA
   if head_dim not in (64, 128, 256):
     raise ValueError(f"head_dim must be 64, 128 or 256 for backend {NAME!r}, got {head_dim}")
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):

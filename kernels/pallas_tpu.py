@@ -71,7 +71,8 @@ def _vmem_estimate(bq: int, bk: int, g: int, hk: int, h: int, itemsize: int) -> 
 
 
 def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *,
-                        head_dim: int, group: int, dtype, device_kind: str) -> tuple[int, int]:
+                        head_dim: int, kv_heads: int, group: int, dtype,
+                        device_kind: str) -> tuple[int, int]:
   """Tile sizes for local lengths q_len, kv_len (same signature in every backend).
 
   TPU tiling: block_q is a row (sublane) count, a multiple of 8 (16 for 2-byte dtypes) or the
@@ -81,7 +82,10 @@ def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *
   "TPU v4"): the largest valid divisor not above the generation's size, with block_q
   lowered until the tiles fit the generation's VMEM budget: the `group` = N // K query heads
   of a kv head are stacked into [group * bq, bk] score tiles, so large GQA groups get
-  shorter query tiles (v4, 16 MiB of VMEM, G = 16: bq 64).
+  shorter query tiles (v4, 16 MiB of VMEM, G = 16: bq 64). A block holds the fewest of the
+  `kv_heads` whose lanes fill 128 (two at H = 64, all of them when none divides evenly);
+  when even the smallest query tile does not fit, block_k is lowered too (v4, H = 64, K = 5:
+  bk 256).
 
   Raises:
     ValueError: naming block_sizes, when a given size is not a valid tile of its length.
@@ -106,16 +110,23 @@ def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *
     bk = default(kv_len, cap_k, 128)
   if block_sizes.block_q is not None:
     return check("block_q", block_sizes.block_q, q_len, sub), bk
-  hk = _heads_per_block(1, head_dim, 1)
+  hk = _heads_per_block(kv_heads, head_dim)
   itemsize = jnp.dtype(dtype).itemsize
+  first_cap_q = cap_q
   while True:
     bq = default(q_len, cap_q, sub)
-    if cap_q <= sub or _vmem_estimate(bq, bk, group, hk, head_dim, itemsize) <= budget:
+    if _vmem_estimate(bq, bk, group, hk, head_dim, itemsize) <= budget:
       return bq, bk
-    cap_q //= 2
+    if cap_q > sub:
+      cap_q //= 2
+    elif block_sizes.block_k is None and cap_k > 128:
+      cap_k //= 2
+      bk, cap_q = default(kv_len, cap_k, 128), first_cap_q
+    else:
+      return bq, bk      # the smallest tiles; Mosaic reports what still does not fit
 
 
-def _heads_per_block(num_kv: int, h: int, g: int) -> int:
+def _heads_per_block(num_kv: int, h: int) -> int:
   """Fewest kv heads hk (dividing num_kv) whose k lanes hk * H are a multiple of 128, else all.
 
   With hk * H % 128 == 0 the query lanes hk * G * H are too, so both lane blocks are legal.
@@ -123,7 +134,6 @@ def _heads_per_block(num_kv: int, h: int, g: int) -> int:
   for hk in range(1, num_kv + 1):
     if num_kv % hk == 0 and (hk * h) % 128 == 0:
       return hk
-  del g
   return num_kv
 
 
@@ -253,7 +263,7 @@ def _geometry(q, k, spec):
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   g = n // kh
-  hk = _heads_per_block(kh, h, g)
+  hk = _heads_per_block(kh, h)
   return b, t, s, n, kh, h, g, hk, spec.block_q, spec.block_k
 
 

@@ -18,7 +18,8 @@ _DEFAULT_BLOCK = 512
 
 
 def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *,
-                        head_dim: int, group: int, dtype, device_kind: str) -> tuple[int, int]:
+                        head_dim: int, kv_heads: int, group: int, dtype,
+                        device_kind: str) -> tuple[int, int]:
   """Per-backend tile sizes for local lengths q_len, kv_len (same signature in every backend).
 
   Defaults: the largest divisor of the length that is at most 512. Given sizes must divide
@@ -27,7 +28,7 @@ def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *
   Raises:
     ValueError: naming block_sizes, when a given size does not divide its length.
   """
-  del head_dim, group, dtype, device_kind  # one default for every device here
+  del head_dim, kv_heads, group, dtype, device_kind  # one default for every device here
   out = []
   for name, given, length in (("block_q", block_sizes.block_q, q_len),
                               ("block_k", block_sizes.block_k, kv_len)):

@@ -242,19 +242,21 @@ def prepare(query, key, value, *, segment_ids, scale, backend: str, block_sizes,
                                 query.shape[1] // per_device, key.shape[1] // per_device)
   spec = resolve_spec(
       kernel, scale=checked.scale, causal=bool(is_causal), block_sizes=block_sizes,
-      q_len=q_unit, kv_len=kv_unit, head_dim=query.shape[3],
+      q_len=q_unit, kv_len=kv_unit, head_dim=query.shape[3], kv_heads=key.shape[2],
       group=query.shape[2] // key.shape[2], dtype=query.dtype, platform=platform,
       device_kind=getattr(device, "device_kind", ""), window=checked.window)
   return checked, kernel, spec
 
 
 def resolve_spec(kernel, *, scale: float, causal: bool, block_sizes, q_len: int, kv_len: int,
-                 head_dim: int, group: int, dtype, platform: str, device_kind: str,
+                 head_dim: int, kv_heads: int, group: int, dtype, platform: str,
+                 device_kind: str,
                  window: tuple[int, int] | None = None) -> base.KernelSpec:
   """The kernel spec: tile sizes from the backend (its defaults, or the user's, checked).
 
   q_len, kv_len: the runs tiles must divide (local lengths, or block_units of them).
-  group: query heads per kv head (N // K); kernels stacking a group's scores size tiles by it.
+  kv_heads, group: K and N // K; kernels stacking a group's scores, or several kv heads per
+  block, size tiles by them.
   Pallas backends run in interpret mode when the devices are CPUs.
   """
   if block_sizes is None:
@@ -263,7 +265,7 @@ def resolve_spec(kernel, *, scale: float, causal: bool, block_sizes, q_len: int,
     raise ValueError(f"block_sizes must be a ringflash.BlockSizes or None, got "
                      f"{type(block_sizes).__name__}")
   bq, bk = kernel.resolve_block_sizes(block_sizes, q_len, kv_len, head_dim=head_dim,
-                                      group=group, dtype=jnp.dtype(dtype),
+                                      kv_heads=kv_heads, group=group, dtype=jnp.dtype(dtype),
                                       device_kind=device_kind)
   interpret = kernel.NAME != "xla" and platform == "cpu"
   return base.KernelSpec(scale=scale, causal=causal, block_q=bq, block_k=bk,

@@ -200,7 +200,7 @@ def _run_virtual():
         q, k, v, _ = _inputs(b, tl, n, kh, h)
         spec = _validate.resolve_spec(kernel, scale=h ** -0.5, causal=False,
                                       block_sizes=base.BlockSizes(), q_len=tl, kv_len=tl,
-                                      head_dim=h, group=n // kh, dtype=q.dtype,
+                                      head_dim=h, kv_heads=kh, group=n // kh, dtype=q.dtype,
                                       platform=dev.platform, device_kind=dev.device_kind)
         pos = jnp.arange(tl, dtype=jnp.int32)
 
@@ -220,7 +220,7 @@ def _run_virtual():
         kw, vw = jnp.tile(k, (1, p, 1, 1)), jnp.tile(v, (1, p, 1, 1))
         spec_w = _validate.resolve_spec(kernel, scale=h ** -0.5, causal=False,
                                         block_sizes=base.BlockSizes(), q_len=tl,
-                                        kv_len=tl * p, head_dim=h, group=n // kh, dtype=q.dtype,
+                                        kv_len=tl * p, head_dim=h, kv_heads=kh, group=n // kh, dtype=q.dtype,
                                         platform=dev.platform, device_kind=dev.device_kind)
         pos_w = jnp.arange(tl * p, dtype=jnp.int32)
 
@@ -265,7 +265,7 @@ def _run_layouts():
         # Tiles that divide the zigzag chunk tl / 2 too, so every layout uses the same.
         blocks = base.BlockSizes(*(layouts.balance_block(tl * p, p),) * 2)
         spec = _validate.resolve_spec(kernel, scale=h ** -0.5, causal=True, block_sizes=blocks,
-                                      q_len=tl, kv_len=tl, head_dim=h, group=n // kh, dtype=q.dtype,
+                                      q_len=tl, kv_len=tl, head_dim=h, kv_heads=kh, group=n // kh, dtype=q.dtype,
                                       platform=dev.platform, device_kind=dev.device_kind)
 
         @jax.jit

@@ -80,7 +80,8 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
   kernel = get_backend(_validate.resolve_backend(backend, "tpu", devices[0]))
   bq, bk = kernel.resolve_block_sizes(
       ringflash.BlockSizes(), seq_len // ring, seq_len // ring, head_dim=head_dim,
-      group=heads // kv_heads, dtype=dt, device_kind=devices[0].device_kind)
+      kv_heads=kv_heads, group=heads // kv_heads, dtype=dt,
+      device_kind=devices[0].device_kind)
   per_body = _permutes_per_loop_body(hlo)
   total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
   hbm = HBM_BYTES.get(topology.split(":")[0])

@@ -171,7 +171,7 @@ def test_mosaic_kernels_lower_for_cuda(which, causal, segs, window, n, kh, h, t)
   kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
   pos = jax.ShapeDtypeStruct((t,), jnp.int32)
   seg = jax.ShapeDtypeStruct((b, t), jnp.int32) if segs else None
-  bq, bk = pallas_gpu.resolve_block_sizes(base.BlockSizes(), t, t, head_dim=h, group=n // kh,
+  bq, bk = pallas_gpu.resolve_block_sizes(base.BlockSizes(), t, t, head_dim=h, kv_heads=kh, group=n // kh,
                                           dtype=jnp.bfloat16, device_kind="H200")
   spec = base.KernelSpec(scale=h ** -0.5, causal=causal, block_q=bq, block_k=bk,
                          window=window)
@@ -196,10 +196,10 @@ def test_forward_tiles_beyond_shared_memory_raise():
   """bk = 128 at head dim 256 needs 320 KiB: a ValueError naming block_sizes, not a failed
   compile."""
   with pytest.raises(ValueError, match="block_sizes"):
-    pallas_gpu.resolve_block_sizes(base.BlockSizes(64, 128), 512, 512, head_dim=256, group=1,
-                                   dtype=jnp.bfloat16, device_kind="H200")
+    pallas_gpu.resolve_block_sizes(base.BlockSizes(64, 128), 512, 512, head_dim=256,
+                                   kv_heads=1, group=1, dtype=jnp.bfloat16, device_kind="H200")
   assert pallas_gpu.resolve_block_sizes(base.BlockSizes(64, 128), 512, 512, head_dim=128,
-                                        group=1, dtype=jnp.bfloat16,
+                                        kv_heads=1, group=1, dtype=jnp.bfloat16,
                                         device_kind="H200") == (64, 128)
 
 

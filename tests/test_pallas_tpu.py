@@ -137,13 +137,30 @@ def test_fetch_index_revisits_the_last_working_block():
 ])
 def test_default_block_sizes_per_generation(kind, dtype, expected):
   got = pallas_tpu.resolve_block_sizes(base.BlockSizes(), 16384, 16384, head_dim=128,
-                                       group=4, dtype=dtype, device_kind=kind)
+                                       kv_heads=4, group=4, dtype=dtype, device_kind=kind)
   assert got == expected
+
+
+@pytest.mark.parametrize("kind", ["TPU v4", "TPU v5p", "TPU v6e"])
+@pytest.mark.parametrize("head_dim,kv_heads,group", [(64, 2, 16), (64, 5, 4), (32, 4, 8),
+                                                     (128, 3, 8), (256, 1, 32)])
+def test_default_tiles_fit_vmem_with_the_kv_heads_of_a_block(kind, head_dim, kv_heads, group):
+  """The default tiles fit the generation's budget for the kv heads a block really holds
+  (H = 64: two; K = 5 at H = 64: all five), not for one. v4, H = 64, K = 5 once got tiles
+  estimated at 16 MiB against a 14 MiB budget."""
+  bq, bk = pallas_tpu.resolve_block_sizes(base.BlockSizes(), 16384, 16384, head_dim=head_dim,
+                                          kv_heads=kv_heads, group=group, dtype=jnp.bfloat16,
+                                          device_kind=kind)
+  hk = pallas_tpu._heads_per_block(kv_heads, head_dim)
+  assert hk == (kv_heads if head_dim == 64 and kv_heads % 2 else max(1, 128 // head_dim))
+  budget = pallas_tpu._generation(kind)[2]
+  assert pallas_tpu._vmem_estimate(bq, bk, group, hk, head_dim, 2) <= budget, (bq, bk)
 
 
 def test_block_sizes_follow_tpu_tiling():
   resolve = pallas_tpu.resolve_block_sizes
-  kw = dict(head_dim=128, group=4, dtype=jnp.bfloat16, device_kind="TPU v5 lite")
+  kw = dict(head_dim=128, kv_heads=4, group=4, dtype=jnp.bfloat16,
+            device_kind="TPU v5 lite")
   assert resolve(base.BlockSizes(), 96, 64, **kw) == (96, 64)     # whole short lengths
   assert resolve(base.BlockSizes(32, 128), 256, 256, **kw) == (32, 128)
   with pytest.raises(ValueError, match="block_sizes.block_k"):
