@@ -237,10 +237,6 @@ class RingPlan:
     """[P] int: tiles each device computes over the whole forward ring."""
     return sum(self.lane_tiles(lane).sum(axis=1) for lane in self.lanes)
 
-  def hops_per_device(self) -> np.ndarray:
-    """[P] int: kernel calls each device makes (hops with at least one tile)."""
-    return sum((self.lane_tiles(lane) > 0).sum(axis=1) for lane in self.lanes)
-
 
 def _tile_ranges(pos: np.ndarray, block: int):
   """First and last position of each tile of `block` rows: [..., n / block] each.
@@ -253,23 +249,10 @@ def _tile_ranges(pos: np.ndarray, block: int):
 
 
 def _count_tiles(q_lo, q_hi, k_lo, k_hi, causal, window) -> int:
-  """Number of (q tile, k tile) pairs passing base.ranges_may_have_work.
-
-  Both tile lists are increasing, so for query tile i the passing key tiles form the run
-  j in [first_i, end_i): the upper bounds (causal k_lo <= q_hi, window k_lo <= q_hi + right)
-  keep a prefix of the k_lo list, the lower bound (k_hi >= q_lo - left) a suffix of the
-  k_hi list; binary search finds both. Example, causal, q tiles [8..11], k tile starts
-  0 4 8 12: k_lo <= 11 keeps the first 3 (end = 3), no lower bound (first = 0): 3 tiles.
-  """
-  end = np.full(q_lo.shape, len(k_lo))
-  first = np.zeros(q_lo.shape, dtype=np.int64)
-  if causal:
-    end = np.minimum(end, np.searchsorted(k_lo, q_hi, side="right"))
-  if window is not None:
-    left, right = window
-    end = np.minimum(end, np.searchsorted(k_lo, q_hi + right, side="right"))
-    first = np.searchsorted(k_hi, q_lo - left, side="left")
-  return int(np.maximum(end - first, 0).sum())
+  """Number of (q tile, k tile) pairs passing base.ranges_may_have_work, the kernels' test."""
+  work = base.ranges_may_have_work(q_lo[:, None], q_hi[:, None], k_lo[None, :],
+                                   k_hi[None, :], causal=causal, window=window)
+  return int(np.broadcast_to(work, (len(q_lo), len(k_lo))).sum())
 
 
 @functools.lru_cache(maxsize=256)
