@@ -18,13 +18,13 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringflash
+from ringflash import _reference
 from ringflash.launch import distributed
 
 FLAGS = flags.FLAGS
@@ -77,33 +77,12 @@ def global_inputs(config: Config) -> dict[str, np.ndarray]:
 
 def reference(inputs: dict[str, np.ndarray], causal: bool) -> dict[str, np.ndarray]:
   """Dense attention and its gradients in float32 at HIGHEST precision, on one device."""
-
-  def dense(q, k, v):
-    n, kh = q.shape[2], k.shape[2]
-    k = jnp.repeat(k, n // kh, axis=2)
-    v = jnp.repeat(v, n // kh, axis=2)
-    prec = jax.lax.Precision.HIGHEST
-    logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=prec) / np.sqrt(q.shape[3])
-    if causal:
-      t, s = q.shape[1], k.shape[1]
-      logits = jnp.where(jnp.arange(s)[None, :] <= jnp.arange(t)[:, None], logits, -jnp.inf)
-    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), v, precision=prec)
-
   device = jax.local_devices()[0]
   q, k, v, dout = (jax.device_put(inputs[n], device) for n in ("q", "k", "v", "dout"))
-  out, vjp = jax.vjp(dense, q, k, v)
+  out, vjp = jax.vjp(lambda q, k, v: _reference.dense_attention(q, k, v, causal,
+                                                                chunk=q.shape[1]), q, k, v)
   dq, dk, dv = vjp(dout)
   return {name: np.asarray(x) for name, x in zip(NAMES, (out, dq, dk, dv))}
-
-
-def process_slice(sharding: NamedSharding, shape) -> slice:
-  """The sequence positions (dim 1) that this process's devices hold, as one slice."""
-  spans = sorted({(idx[1].start or 0, shape[1] if idx[1].stop is None else idx[1].stop)
-                  for idx in sharding.addressable_devices_indices_map(shape).values()})
-  for (_, stop), (start, _) in zip(spans, spans[1:]):
-    if stop != start:
-      raise ValueError(f"this process's devices hold non-contiguous sequence spans {spans}")
-  return slice(spans[0][0], spans[-1][1])
 
 
 def run(config: Config, repeat: int = 1) -> tuple[dict[str, jax.Array], dict[str, np.ndarray]]:
@@ -130,9 +109,9 @@ def run(config: Config, repeat: int = 1) -> tuple[dict[str, jax.Array], dict[str
                      f"devices, {len(devices)}")
   mesh = Mesh(np.array(devices), (AXIS,))
   sharding = NamedSharding(mesh, P(None, AXIS))
-  span = process_slice(sharding, inputs["q"].shape)
-  local = {name: x[:, span] for name, x in inputs.items()}
-  q, k, v, dout = (jax.make_array_from_process_local_data(sharding, local[n], inputs[n].shape)
+  # Every process holds the whole inputs; each device takes its sequence slice of them.
+  q, k, v, dout = (jax.make_array_from_callback(inputs[n].shape, sharding,
+                                                lambda idx, x=inputs[n]: x[idx])
                    for n in ("q", "k", "v", "dout"))
 
   @jax.jit

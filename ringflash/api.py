@@ -84,6 +84,9 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
                             bidirectional=checked.bidirectional)
   out_specs = (x_spec, P(batch, heads, axis_name))
   # Pallas interpret mode evaluates kernels untyped by mesh axes: it needs check_vma off.
+  # It has to be the shard_map's flag: interpret mode evaluates the kernel body when the
+  # program is lowered, outside any context the kernel could set while tracing (tried:
+  # "dynamic_slice requires varying manual axes to match").
   shard_map = functools.partial(jax.shard_map, mesh=mesh, out_specs=out_specs,
                                 check_vma=not spec.interpret)
   if checked.q_seg is None:

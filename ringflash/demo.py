@@ -33,37 +33,6 @@ def _gib(n: float) -> str:
   return f"{n / 2**30:8.3f} GiB"
 
 
-def reference(q, k, v, causal: bool, chunk: int):
-  """Dense softmax attention in float32, a chunk of query rows at a time.
-
-  Written from the definition (no tiling, no online softmax, no ring), so it shares nothing
-  with the kernels; chunking only bounds memory: [B, N, chunk, S] scores at a time.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-
-  b, t, n, h = q.shape
-  s, kh = k.shape[1], k.shape[2]
-  chunk = min(chunk, t)
-  if t % chunk:
-    raise ValueError(f"reference_chunk {chunk} must divide seq_len {t}")
-  kf = jnp.repeat(k.astype(jnp.float32), n // kh, axis=2)
-  vf = jnp.repeat(v.astype(jnp.float32), n // kh, axis=2)
-
-  @jax.checkpoint
-  def rows(start):
-    qc = jax.lax.dynamic_slice_in_dim(q, start, chunk, axis=1).astype(jnp.float32)
-    logits = jnp.einsum("btnh,bsnh->bnts", qc, kf, precision="highest") / jnp.sqrt(h)
-    if causal:
-      visible = jnp.arange(s)[None, :] <= (start + jnp.arange(chunk))[:, None]
-      logits = jnp.where(visible, logits, -jnp.inf)
-    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), vf,
-                      precision="highest")
-
-  out = jax.lax.map(rows, jnp.arange(0, t, chunk))          # [T / chunk, B, chunk, N, H]
-  return out.transpose(1, 0, 2, 3, 4).reshape(b, t, n, h)
-
-
 def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
@@ -73,6 +42,7 @@ def main(argv):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from ringflash import _reference as reference  # pylint: disable=g-import-not-at-top
 
   import ringflash  # pylint: disable=g-import-not-at-top
 
@@ -104,8 +74,8 @@ def main(argv):
   ring_s = time.perf_counter() - start
 
   def ref_step(q, k, v, dout):
-    out, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, FLAGS.causal,
-                                                 FLAGS.reference_chunk), q, k, v)
+    out, vjp = jax.vjp(lambda q, k, v: reference.dense_attention(
+        q, k, v, FLAGS.causal, FLAGS.reference_chunk), q, k, v)
     return (out,) + vjp(dout.astype(jnp.float32))
 
   host = [jax.device_put(x, devices[0]) for x in (q, k, v, dout)]
