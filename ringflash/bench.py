@@ -182,13 +182,39 @@ def _plot(rows, path):
   print(f"wrote {path}")
 
 
+def _spec(kernel, dev, *, causal, blocks, q_len, kv_len, n, kh, h, dtype):
+  from ringflash import _validate  # pylint: disable=g-import-not-at-top
+  return _validate.resolve_spec(kernel, scale=h ** -0.5, causal=causal, block_sizes=blocks,
+                                q_len=q_len, kv_len=kv_len, head_dim=h, kv_heads=kh,
+                                group=n // kh, dtype=dtype, platform=dev.platform,
+                                device_kind=dev.device_kind)
+
+
+def _device_steps(kernel, spec, b, tl, n, h):
+  """Jitted (q, k, v, q_pos [tl], k_pos [P, tl]) -> (o float32, lse): one device's P ring
+  steps as parallel/ring.py runs them (kernel + LSE merge), its own K/V standing in for the
+  block it holds at step s, whose positions are k_pos[s]."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ringflash.parallel.merge import merge  # pylint: disable=g-import-not-at-top
+
+  @jax.jit
+  def steps(q, k, v, q_pos, k_pos):
+    def body(s, carry):
+      o_i, lse_i = kernel.forward(q, k, v, q_pos, k_pos[s], None, None, spec)
+      return merge(*carry, o_i, lse_i)
+    init = (jnp.zeros((b, tl, n, h), jnp.float32), jnp.full((b, n, tl), -jnp.inf, jnp.float32))
+    return jax.lax.fori_loop(0, k_pos.shape[0], body, init)
+
+  return steps
+
+
 def _run_virtual():
   """P ring steps on one device vs one kernel call over P * T_local keys."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from ringflash import _validate  # pylint: disable=g-import-not-at-top
   from ringflash.kernels import base, get_backend  # pylint: disable=g-import-not-at-top
-  from ringflash.parallel.merge import merge  # pylint: disable=g-import-not-at-top
 
   dev = jax.devices()[0]
   kernel = get_backend(_validate.resolve_backend("auto", dev.platform, dev))
@@ -198,30 +224,23 @@ def _run_virtual():
     for p in map(int, FLAGS.ring_sizes):
       for kh in map(int, FLAGS.kv_heads):
         q, k, v, _ = _inputs(b, tl, n, kh, h)
-        spec = _validate.resolve_spec(kernel, scale=h ** -0.5, causal=False,
-                                      block_sizes=base.BlockSizes(), q_len=tl, kv_len=tl,
-                                      head_dim=h, kv_heads=kh, group=n // kh, dtype=q.dtype,
-                                      platform=dev.platform, device_kind=dev.device_kind)
+        shape = dict(n=n, kh=kh, h=h, dtype=q.dtype)
+        spec = _spec(kernel, dev, causal=False, blocks=base.BlockSizes(), q_len=tl, kv_len=tl,
+                     **shape)
         pos = jnp.arange(tl, dtype=jnp.int32)
+        # step s: the local block stands in for the one received from device i - s; its
+        # positions move with it (non-causal: all valid).
+        held = pos[None, :] + tl * jnp.arange(p, dtype=jnp.int32)[:, None]
+        steps = _device_steps(kernel, spec, b, tl, n, h)
 
         @jax.jit
-        def ring_steps(q, k, v, spec=spec, p=p):
-          # step s: the local block stands in for the one received from device i - s;
-          # its positions move with it, as in parallel/ring.py (non-causal: all valid).
-          def body(s, carry):
-            o, lse = carry
-            o_i, lse_i = kernel.forward(q, k, v, pos, pos + s * tl, None, None, spec)
-            return merge(o, lse, o_i, lse_i)
-          init = (jnp.zeros((b, tl, n, h), jnp.float32),
-                  jnp.full((b, n, tl), -jnp.inf, jnp.float32))
-          o, lse = jax.lax.fori_loop(0, p, body, init)
+        def ring_steps(q, k, v, steps=steps, held=held):
+          o, lse = steps(q, k, v, pos, held)
           return o.astype(q.dtype), lse
 
         kw, vw = jnp.tile(k, (1, p, 1, 1)), jnp.tile(v, (1, p, 1, 1))
-        spec_w = _validate.resolve_spec(kernel, scale=h ** -0.5, causal=False,
-                                        block_sizes=base.BlockSizes(), q_len=tl,
-                                        kv_len=tl * p, head_dim=h, kv_heads=kh, group=n // kh, dtype=q.dtype,
-                                        platform=dev.platform, device_kind=dev.device_kind)
+        spec_w = _spec(kernel, dev, causal=False, blocks=base.BlockSizes(), q_len=tl,
+                       kv_len=tl * p, **shape)
         pos_w = jnp.arange(tl * p, dtype=jnp.int32)
 
         @jax.jit
@@ -252,7 +271,6 @@ def _run_layouts():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from ringflash import _validate, layouts  # pylint: disable=g-import-not-at-top
   from ringflash.kernels import base, get_backend  # pylint: disable=g-import-not-at-top
-  from ringflash.parallel.merge import merge  # pylint: disable=g-import-not-at-top
 
   dev = jax.devices()[0]
   kernel = get_backend(_validate.resolve_backend("auto", dev.platform, dev))
@@ -264,24 +282,15 @@ def _run_layouts():
         q, k, v, _ = _inputs(b, tl, n, kh, h)
         # Tiles that divide the zigzag chunk tl / 2 too, so every layout uses the same.
         blocks = base.BlockSizes(*(layouts.balance_block(tl * p, p),) * 2)
-        spec = _validate.resolve_spec(kernel, scale=h ** -0.5, causal=True, block_sizes=blocks,
-                                      q_len=tl, kv_len=tl, head_dim=h, kv_heads=kh, group=n // kh, dtype=q.dtype,
-                                      platform=dev.platform, device_kind=dev.device_kind)
-
-        @jax.jit
-        def device_steps(q, k, v, q_pos, k_pos, spec=spec):
-          # k_pos [P, tl]: at step s this device holds the block of device (i - s) mod P.
-          def body(s, carry):
-            o_i, lse_i = kernel.forward(q, k, v, q_pos, k_pos[s], None, None, spec)
-            return merge(*carry, o_i, lse_i)
-          init = (jnp.zeros((b, tl, n, h), jnp.float32),
-                  jnp.full((b, n, tl), -jnp.inf, jnp.float32))
-          return jax.lax.fori_loop(0, k_pos.shape[0], body, init)
+        spec = _spec(kernel, dev, causal=True, blocks=blocks, q_len=tl, kv_len=tl, n=n, kh=kh,
+                     h=h, dtype=q.dtype)
+        device_steps = _device_steps(kernel, spec, b, tl, n, h)
 
         for layout in layouts.LAYOUTS:
           pos = layouts.layout_positions(layout, p, tl * p)           # [P, tl]
           times = []
           for i in range(p):
+            # at step s device i holds the block of device (i - s) mod P
             held = jnp.asarray(pos[[(i - s) % p for s in range(p)]])
             times.append(_time(device_steps, q, k, v, jnp.asarray(pos[i]), held))
           ring_ms, mean_ms = 1e3 * max(times), 1e3 * sum(times) / p
