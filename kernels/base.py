@@ -164,6 +164,11 @@ def block_may_have_work(q_pos, k_pos, spec: KernelSpec, q_seg=None, k_seg=None):
   return ok
 
 
+def matmul_precision(dtype):
+  """Products of fp32 inputs at full precision (TPU would otherwise use bf16 passes)."""
+  return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+
+
 def largest_divisor_at_most(n: int, cap: int, multiple_of: int = 1) -> int | None:
   """The largest d <= cap with n % d == 0 and d % multiple_of == 0, or None."""
   for d in range(min(n, cap), 0, -1):

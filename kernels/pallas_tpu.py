@@ -146,10 +146,6 @@ def _compiler_params(vmem_bytes: int):
              vmem_limit_bytes=limit)
 
 
-def _precision(dtype):
-  return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
-
-
 # ---------------------------------------------------------------------------------------------
 # Tile flags for skipping, computed outside the kernels.
 
@@ -201,7 +197,7 @@ class _Tile:
 
   def __init__(self, hk, g, h, bq, bk, spec, has_seg, dtype):
     self.hk, self.g, self.h, self.bq, self.bk = hk, g, h, bq, bk
-    self.spec, self.has_seg, self.prec = spec, has_seg, _precision(dtype)
+    self.spec, self.has_seg, self.prec = spec, has_seg, base.matmul_precision(dtype)
 
   def stack_rows(self, ref, c):
     """[G * bq, H]: the G query heads of kv head c of a [bq, hk * G * H] block, stacked.
@@ -316,10 +312,8 @@ def _call(kernel, grid, scalars, arrays, in_specs, out_specs, out_shapes, scratc
 
 def _fwd_kernel(flags_ref, idx_ref, *refs, t: _Tile, bf, nq, nk):
   del idx_ref  # used by the index maps only
-  npos = 4 if t.has_seg else 2
-  qp_ref, kp_ref = refs[0], refs[1]
-  qs_ref, ks_ref = (refs[2], refs[3]) if t.has_seg else (None, None)
-  q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[npos:]
+  (qp_ref, kp_ref, qs_ref, ks_ref), rest = _split_refs(refs, t.has_seg, 8)
+  q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
   @pl.when(j == 0)
@@ -376,7 +370,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
 
   def kv_block(b, hh, i, j, flags_ref, idx_ref):
     del hh, flags_ref
-    return idx_ref[((b if bf > 1 else 0) * nq + i) * nk + j]
+    return _flag_at(idx_ref, b, i, j, bf, nq, nk)
 
   pos_arrays, pos_specs = _pos_inputs(q_pos, k_pos, q_seg, k_seg, bq, bk,
                                       lambda b, hh, i, j, *_: i, kv_block)
@@ -525,7 +519,7 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
 
   def q_block(b, hh, j, i, flags_ref, idx_ref):
     del hh, flags_ref
-    return idx_ref[((b if bf > 1 else 0) * nk + j) * nq + i]
+    return _flag_at(idx_ref, b, j, i, bf, nk, nq)
 
   pos_arrays, pos_specs = _pos_inputs(q_pos, k_pos, q_seg, k_seg, bq, bk, q_block,
                                       lambda b, hh, j, i, *_: j)
@@ -549,7 +543,7 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
 
   def kv_block(b, hh, i, j, flags_ref, idx_ref):
     del hh, flags_ref
-    return idx_ref[((b if bf > 1 else 0) * nq + i) * nk + j]
+    return _flag_at(idx_ref, b, i, j, bf, nq, nk)
 
   pos_arrays, pos_specs = _pos_inputs(q_pos, k_pos, q_seg, k_seg, bq, bk,
                                       lambda b, hh, i, j, *_: i, kv_block)

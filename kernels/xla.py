@@ -43,11 +43,6 @@ def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *
   return out[0], out[1]
 
 
-def _precision(dtype):
-  # fp32 inputs get full-precision products (TPU would otherwise use bf16 passes).
-  return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
-
-
 def _slice(x, start, size, axis):
   return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
@@ -94,7 +89,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
 def forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   """forward over every tile of the block pair (skipping the empty ones)."""
   b, t, n, h, s, kh, g, bq, bk, nq, nk = _geometry(q, k, spec)
-  prec = _precision(q.dtype)
+  prec = base.matmul_precision(q.dtype)
   q5 = q.reshape(b, t, kh, g, h)
 
   def q_tile(i):
@@ -175,7 +170,7 @@ def backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
   loop over query tiles accumulating dq into a float32 [B, T, K, G, H] carry.
   """
   b, t, n, h, s, kh, g, bq, bk, nq, nk = _geometry(q, k, spec)
-  prec = _precision(q.dtype)
+  prec = base.matmul_precision(q.dtype)
   q5 = q.reshape(b, t, kh, g, h)
   do5 = dout.reshape(b, t, kh, g, h)
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
