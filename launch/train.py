@@ -105,8 +105,6 @@ class Trainer:
   def __init__(self, config: RunConfig, mesh=None):
     import jax                                    # pylint: disable=g-import-not-at-top
     import optax                                  # pylint: disable=g-import-not-at-top
-    from jax.sharding import NamedSharding        # pylint: disable=g-import-not-at-top
-    from jax.sharding import PartitionSpec as P   # pylint: disable=g-import-not-at-top
 
     from ringflash.launch import model            # pylint: disable=g-import-not-at-top
 
@@ -121,7 +119,7 @@ class Trainer:
         end_value=config.learning_rate * 0.1)
     self.optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                                  optax.adamw(schedule, weight_decay=0.01))
-    self.replicated = NamedSharding(self.mesh, P())
+    self.replicated = model.replicated(self.mesh)
     self.tokens = model.token_sharding(self.mesh)
     self._model = model
     mcfg, mesh_ = config.model, self.mesh
@@ -165,8 +163,7 @@ class Trainer:
     import jax                                    # pylint: disable=g-import-not-at-top
     make = self._make_state()
     with self._mesh_context():
-      shardings = jax.tree.map(lambda _: self.replicated, jax.eval_shape(make))
-      return jax.jit(make, out_shardings=shardings)()
+      return jax.jit(make, out_shardings=self.replicated)()   # one sharding for every leaf
 
   def abstract_state(self):
     """ShapeDtypeStructs of the state with this mesh's shardings (the restore target)."""
