@@ -23,6 +23,7 @@ clock around block_until_ready.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -262,6 +263,18 @@ def _run_virtual():
   return rows
 
 
+def _layout_spec(kernel, dev, *, tl, n, kh, h, dtype):
+  """The causal spec of the layouts mode: the backend's default tiles for tl tokens, cut to
+  divide the zigzag chunk tl / 2 too, so that every layout runs the same tiles."""
+  from ringflash.kernels import base  # pylint: disable=g-import-not-at-top
+  spec = _spec(kernel, dev, causal=True, blocks=base.BlockSizes(), q_len=tl, kv_len=tl, n=n,
+               kh=kh, h=h, dtype=dtype)
+  chunk = tl // 2
+  blocks = base.BlockSizes(math.gcd(spec.block_q, chunk), math.gcd(spec.block_k, chunk))
+  return _spec(kernel, dev, causal=True, blocks=blocks, q_len=tl, kv_len=tl, n=n, kh=kh, h=h,
+               dtype=dtype)
+
+
 def _run_layouts():
   """Causal ring time of each layout, on one device: every device's P steps (kernel + merge,
   with that device's positions and those of the block it holds at each step), timed one
@@ -270,7 +283,7 @@ def _run_layouts():
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from ringflash import _validate, layouts  # pylint: disable=g-import-not-at-top
-  from ringflash.kernels import base, get_backend  # pylint: disable=g-import-not-at-top
+  from ringflash.kernels import get_backend  # pylint: disable=g-import-not-at-top
 
   dev = jax.devices()[0]
   kernel = get_backend(_validate.resolve_backend("auto", dev.platform, dev))
@@ -280,10 +293,7 @@ def _run_layouts():
     for p in map(int, FLAGS.ring_sizes):
       for kh in map(int, FLAGS.kv_heads):
         q, k, v, _ = _inputs(b, tl, n, kh, h)
-        # Tiles that divide the zigzag chunk tl / 2 too, so every layout uses the same.
-        blocks = base.BlockSizes(*(layouts.balance_block(tl * p, p),) * 2)
-        spec = _spec(kernel, dev, causal=True, blocks=blocks, q_len=tl, kv_len=tl, n=n, kh=kh,
-                     h=h, dtype=q.dtype)
+        spec = _layout_spec(kernel, dev, tl=tl, n=n, kh=kh, h=h, dtype=q.dtype)
         device_steps = _device_steps(kernel, spec, b, tl, n, h)
 
         for layout in layouts.LAYOUTS:

@@ -24,3 +24,26 @@ def test_bench_mode_writes_rows(tmp_path, mode):
     assert all(len(r["per_device_ms"]) == 2 and r["max_over_mean"] >= 1.0 for r in rows)
   else:
     assert len(rows) == 1 and rows[0]["P"] == 2 and rows[0]["one_ms"] > 0
+
+
+@pytest.mark.parametrize("backend,platform,kind", [("pallas_gpu", "gpu", "NVIDIA H200"),
+                                                   ("pallas_tpu", "tpu", "TPU v6 lite"),
+                                                   ("xla", "cpu", "cpu")])
+def test_layouts_mode_uses_tiles_the_backend_accepts(backend, platform, kind):
+  """The layouts mode once asked the GPU kernel for 512 x 512 tiles (more shared memory than
+  Hopper has); it now cuts the backend's default tiles to divide the zigzag chunk."""
+  import types
+
+  import jax.numpy as jnp
+
+  from ringflash import bench
+  from ringflash.kernels import base, get_backend
+  dev = types.SimpleNamespace(platform=platform, device_kind=kind)
+  for tl in (1536, 16384):
+    spec = bench._layout_spec(get_backend(backend), dev, tl=tl, n=16, kh=16, h=128,
+                              dtype=jnp.bfloat16)
+    assert (tl // 2) % spec.block_q == 0 and (tl // 2) % spec.block_k == 0, spec
+    default = bench._spec(get_backend(backend), dev, causal=True,
+                          blocks=base.BlockSizes(), q_len=tl,
+                          kv_len=tl, n=16, kh=16, h=128, dtype=jnp.bfloat16)
+    assert spec.block_q <= default.block_q and spec.block_k <= default.block_k
