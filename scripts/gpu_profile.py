@@ -39,7 +39,8 @@ def main(argv):
   mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
   keys = jax.random.split(jax.random.key(0), 4)
   q, k, v, do = (jax.random.normal(key, (1, t, 16, 128), jnp.bfloat16) for key in keys)
-  fns = [bench._attention_fns(impl, causal, mesh)[1] for impl in ("ringflash", "cudnn")]  # pylint: disable=protected-access
+  fns = [bench._attention_fns(impl, causal, mesh)[1]  # pylint: disable=protected-access
+         for impl in ("ringflash", "cudnn")]
   for f in fns:                                     # compile and warm up outside the range
     for _ in range(2):
       jax.block_until_ready(f(q, k, v, do))

@@ -171,8 +171,9 @@ def test_mosaic_kernels_lower_for_cuda(which, causal, segs, window, n, kh, h, t)
   kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
   pos = jax.ShapeDtypeStruct((t,), jnp.int32)
   seg = jax.ShapeDtypeStruct((b, t), jnp.int32) if segs else None
-  bq, bk = pallas_gpu.resolve_block_sizes(base.BlockSizes(), t, t, head_dim=h, kv_heads=kh, group=n // kh,
-                                          dtype=jnp.bfloat16, device_kind="H200")
+  bq, bk = pallas_gpu.resolve_block_sizes(base.BlockSizes(), t, t, head_dim=h, kv_heads=kh,
+                                          group=n // kh, dtype=jnp.bfloat16,
+                                          device_kind="H200")
   spec = base.KernelSpec(scale=h ** -0.5, causal=causal, block_q=bq, block_k=bk,
                          window=window)
   if which == "forward":
