@@ -164,6 +164,14 @@ def block_may_have_work(q_pos, k_pos, spec: KernelSpec, q_seg=None, k_seg=None):
   return ok
 
 
+def softmax_delta(out, dout, dlse=None):
+  """D [B, N, T] float32 = rowsum(dout * out) - dlse: the backward's per-row term, with
+  dS = P * (dP - D) (dlse None means zero), computed once per backward by every backend."""
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
+  delta = delta.transpose(0, 2, 1)
+  return delta if dlse is None else delta - dlse
+
+
 def matmul_precision(dtype):
   """Products of fp32 inputs at full precision (TPU would otherwise use bf16 passes)."""
   return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT

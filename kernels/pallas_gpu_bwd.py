@@ -137,9 +137,7 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
   window = spec.window
 
-  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
-  if dlse is not None:
-    delta = delta - dlse
+  delta = base.softmax_delta(out, dout, dlse)
   lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf).astype(jnp.float32)
   work, _ = pallas_gpu.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)
   work = jnp.broadcast_to(work, (b, nq, nk))

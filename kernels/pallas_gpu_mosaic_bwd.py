@@ -59,9 +59,7 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
              dlse=None, stages: int = 2):
   """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32."""
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
-  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
-  if dlse is not None:
-    delta = delta - dlse
+  delta = base.softmax_delta(out, dout, dlse)
   lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf).astype(jnp.float32)
   ld = jnp.stack([lse2, delta], axis=2)                       # [B, N, 2, T]
   work, full = pallas_gpu.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, BLOCK, BLOCK)

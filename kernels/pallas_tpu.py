@@ -496,9 +496,7 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   t = _Tile(hk, g, h, bq, bk, spec, has_seg, q.dtype)
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
 
-  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
-  if dlse is not None:
-    delta = delta - dlse.transpose(0, 2, 1)
+  delta = base.softmax_delta(out, dout, dlse).transpose(0, 2, 1)                # [B, T, N]
   # Statistics as [B, K // hk, T, hk * G]: head hh * hk * G + col of [B, T, N] is column col
   # of block hh.
   delta = delta.reshape(bsz, tq, nh, hk * g).transpose(0, 2, 1, 3)

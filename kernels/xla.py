@@ -173,11 +173,7 @@ def backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
   prec = base.matmul_precision(q.dtype)
   q5 = q.reshape(b, t, kh, g, h)
   do5 = dout.reshape(b, t, kh, g, h)
-  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
-  delta = delta.transpose(0, 2, 1)                                              # [B, N, T]
-  if dlse is not None:
-    delta = delta - dlse
-  delta = delta.reshape(b, kh, g, t)
+  delta = base.softmax_delta(out, dout, dlse).reshape(b, kh, g, t)
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
   lse4 = lse.reshape(b, kh, g, t)
   row_ok = jnp.isfinite(lse4)
