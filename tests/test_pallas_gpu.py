@@ -4,8 +4,9 @@ The Mosaic GPU kernels need a Hopper GPU to run: with the installed jax they can
 interpret mode on CPU (the HLO interpreter rejects run_scoped over the warpgroup axis, and the
 GPU interpreter cannot lower wgmma). So the numerical cases run only where a GPU of compute
 capability >= 9.0 is present (JAX_PLATFORMS=cuda). On CPU: the tile plan, the Triton backward
-kernels (Pallas interpret mode), and the lowering of both Mosaic GPU kernels for CUDA, which
-runs Mosaic GPU's layout inference and shared-memory budget check on this machine.
+kernels (Pallas interpret mode), and the lowering of both Mosaic GPU kernels for CUDA, alone
+and inside shard_map as the ring calls them, which runs Mosaic GPU's layout inference and
+shared-memory budget check on this machine.
 
 bf16 criterion: error vs the fp32 oracle <= 2x the error of plain bf16 dense attention
 (3x for gradients); max absolute error over all elements.
@@ -164,8 +165,31 @@ LOWER_CASES = [
 ]
 
 
+def _in_shard_map(fn, args, seq_dims, out_dims):
+  """fn inside shard_map over a one-device mesh with each array's sequence dimension mapped,
+  as the ring calls the kernels: there, positions and bounds read from such arrays carry the
+  mesh axis in their type, and every loop carry inside the kernel must agree with it."""
+  mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
+
+  def seq(d):
+    return jax.sharding.PartitionSpec(*([None] * d + ["sp"]))
+
+  keep = [i for i, a in enumerate(args) if a is not None]
+
+  def inner(*present):
+    full = [None] * len(args)
+    for i, a in zip(keep, present):
+      full[i] = a
+    return fn(*full)
+
+  mapped = jax.shard_map(inner, mesh=mesh, in_specs=tuple(seq(seq_dims[i]) for i in keep),
+                         out_specs=tuple(seq(d) for d in out_dims))
+  return mapped, [args[i] for i in keep]
+
+
+@pytest.mark.parametrize("in_ring", [False, True], ids=["alone", "in_shard_map"])
 @pytest.mark.parametrize("which,causal,segs,window,n,kh,h,t", LOWER_CASES)
-def test_mosaic_kernels_lower_for_cuda(which, causal, segs, window, n, kh, h, t):
+def test_mosaic_kernels_lower_for_cuda(which, causal, segs, window, n, kh, h, t, in_ring):
   b = 2 if segs else 1
   q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
@@ -177,17 +201,19 @@ def test_mosaic_kernels_lower_for_cuda(which, causal, segs, window, n, kh, h, t)
   spec = base.KernelSpec(scale=h ** -0.5, causal=causal, block_q=bq, block_k=bk,
                          window=window)
   if which == "forward":
-    text = _lower_for_cuda(
-        lambda q, k, v, p, s: pallas_gpu.forward(q, k, v, p, p, s, s, spec), q, kv, kv, pos,
-        seg)
+    fn = lambda q, k, v, p, s: pallas_gpu.forward(q, k, v, p, p, s, s, spec)
+    args, seq_dims, out_dims = [q, kv, kv, pos, seg], [1, 1, 1, 0, 1], [1, 2]
   else:
     assert pallas_gpu_mosaic_bwd.supports(h)
     o = jax.ShapeDtypeStruct((b, t, n, h), jnp.float32)
     lse = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
-    text = _lower_for_cuda(
-        lambda q, k, v, o, lse, do, p, s: pallas_gpu.backward(q, k, v, o, lse, do, p, p, s, s,
-                                                             spec),
-        q, kv, kv, o, lse, q, pos, seg)
+    fn = lambda q, k, v, o, lse, do, p, s: pallas_gpu.backward(q, k, v, o, lse, do, p, p, s,
+                                                               s, spec)
+    args = [q, kv, kv, o, lse, q, pos, seg]
+    seq_dims, out_dims = [1, 1, 1, 1, 2, 1, 0, 1], [1, 1, 1]
+  if in_ring:
+    fn, args = _in_shard_map(fn, args, seq_dims, out_dims)
+  text = _lower_for_cuda(fn, *args)
   # the kernel is a Mosaic GPU custom call, not a fallback
   assert "mosaic_gpu" in text
   assert "triton" not in text.lower()
