@@ -11,7 +11,9 @@ a run without it failed on one of XLA's small kernels.
 
 Without XLA_PYTHON_CLIENT_PREALLOCATE=false, ncu saves and restores the memory JAX
 preallocates (about 100 GB on an H200) around every kernel replay and does not finish.
-docs/GPU_NOTES.md (run 11) has what it printed on the H200.
+docs/GPU_NOTES.md (run 11) has what it printed on the H200. For where each instruction
+stalls, collect --section SourceCounters instead and read the result with
+scripts/gpu_stalls.py (its docstring has the commands; run 17 of the notes, what it showed).
 """
 
 import sys

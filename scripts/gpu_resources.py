@@ -2,8 +2,9 @@
 
 Compiles a small forward+backward (non-causal and causal, T=1024, H=128, bf16) with
 Mosaic GPU's dumps on, then prints one line per kernel: registers, spill bytes, stack
-frame, how many times ptxas injected a wait for products in flight ("C7519"), and shared
-memory. Run from the repository root on a Hopper GPU:
+frame, how many times ptxas injected a wait for products in flight ("C7519"), how many
+times it serialized the wgmma pipeline ("C7510".."C7515", with the first reason at the end
+of the line) and shared memory. Run from the repository root on a Hopper GPU:
 
   python3 scripts/gpu_resources.py [dump folder]
 
@@ -15,6 +16,18 @@ import pathlib
 import re
 import sys
 import tempfile
+
+_SERIALIZED = "wgmma.mma_async instructions are serialized"
+
+
+def _serialized(text: str) -> tuple[int, str]:
+  """How many ptxas lines say the wgmma pipeline was serialized, and the first one's reason."""
+  lines = [line for line in text.splitlines() if _SERIALIZED in line]
+  if not lines:
+    return 0, ""
+  reason = re.search(r"due to (.*) in the function", lines[0])
+  reason = reason.group(1) if reason else lines[0].split(_SERIALIZED, 1)[1].strip()
+  return len(lines), reason[:60]
 
 
 def _report(folder: pathlib.Path) -> None:
@@ -28,12 +41,15 @@ def _report(folder: pathlib.Path) -> None:
     stack = re.search(r"(\d+) bytes stack frame", text)
     res = ptxas.with_suffix(".resources.txt")
     smem = re.search(r"smem_scratch_bytes=(\d+)", res.read_text()) if res.exists() else None
+    serialized, reason = _serialized(text)
     print(f"{ptxas.stem:<10} {kind:<9} registers {regs.group(1) if regs else '?':>4}  "
           f"spill stores {spill.group(1) if spill else '?':>4} B  "
           f"loads {spill.group(2) if spill else '?':>4} B  "
           f"stack {stack.group(1) if stack else '?':>4} B  "
           f"injected waits {text.count('C7519'):>2}  "
-          f"smem {int(smem.group(1)) // 1024 if smem else '?'} KiB")
+          f"serialized {serialized:>2}  "
+          f"smem {int(smem.group(1)) // 1024 if smem else '?'} KiB"
+          + (f"  ({reason})" if serialized else ""))
 
 
 def main(argv):
