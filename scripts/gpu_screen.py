@@ -1,6 +1,7 @@
 """A quick screen of the Pallas GPU kernels before a benchmark: forward and gradients of
-ring_attention (backend pallas_gpu, one-GPU mesh) and of cuDNN, each against an fp32 einsum
-reference, at T = 1024-4096, H = 128, bf16, causal and not, MHA, GQA and MQA.
+ring_attention (backend pallas_gpu, one-GPU mesh) and of cuDNN, each against the fp32 dense
+reference of `ringflash demo` (ringflash/_reference.py), at T = 1024-4096, H = 128, bf16,
+causal and not, MHA, GQA and MQA.
 
 Passes when, in every case and for each of o, dq, dk and dv, our max abs error is at most
 3x cuDNN's (floored at 1e-3). It compiles in seconds, so a kernel variant can be screened
@@ -17,19 +18,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 import ringflash
+from ringflash import _reference
 
 CASES = [(2048, 4, 4, False), (2048, 4, 4, True), (4096, 8, 2, True), (1024, 4, 1, False)]
 LIMIT = 3.0
-
-
-def _reference(q, k, v, causal):
-  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  group = q.shape[2] // k.shape[2]
-  k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-  s = jnp.einsum("btnh,bsnh->bnts", q, k, precision="highest") / np.sqrt(q.shape[-1])
-  if causal:
-    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
-  return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v, precision="highest")
 
 
 def _with_grads(f, q, k, v, do):
@@ -52,7 +44,8 @@ def main():
         q, k, v, mesh=mesh, is_causal=causal, backend="pallas_gpu"), q, k, v, do)
     cudnn = _with_grads(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="cudnn"), q, k, v, do)
-    ref = _with_grads(lambda q, k, v: _reference(q, k, v, causal), q, k, v, do)
+    ref = _with_grads(lambda q, k, v: _reference.dense_attention(q, k, v, causal, chunk=t),
+                      q, k, v, do)
     err_ours = [float(np.max(np.abs(a - r))) for a, r in zip(ours, ref)]
     err_cudnn = [float(np.max(np.abs(a - r))) for a, r in zip(cudnn, ref)]
     ratio = max(e / max(c, 1e-3) for e, c in zip(err_ours, err_cudnn))

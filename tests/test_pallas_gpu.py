@@ -165,26 +165,15 @@ LOWER_CASES = [
 ]
 
 
-def _in_shard_map(fn, args, seq_dims, out_dims):
+def _in_shard_map(fn, seq_dims, out_dims):
   """fn inside shard_map over a one-device mesh with each array's sequence dimension mapped,
   as the ring calls the kernels: there, positions and bounds read from such arrays carry the
   mesh axis in their type, and every loop carry inside the kernel must agree with it."""
-  mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
-
   def seq(d):
     return jax.sharding.PartitionSpec(*([None] * d + ["sp"]))
 
-  keep = [i for i, a in enumerate(args) if a is not None]
-
-  def inner(*present):
-    full = [None] * len(args)
-    for i, a in zip(keep, present):
-      full[i] = a
-    return fn(*full)
-
-  mapped = jax.shard_map(inner, mesh=mesh, in_specs=tuple(seq(seq_dims[i]) for i in keep),
-                         out_specs=tuple(seq(d) for d in out_dims))
-  return mapped, [args[i] for i in keep]
+  return jax.shard_map(fn, mesh=Mesh(np.array(jax.devices()[:1]), ("sp",)),
+                       in_specs=tuple(map(seq, seq_dims)), out_specs=tuple(map(seq, out_dims)))
 
 
 @pytest.mark.parametrize("in_ring", [False, True], ids=["alone", "in_shard_map"])
@@ -212,7 +201,7 @@ def test_mosaic_kernels_lower_for_cuda(which, causal, segs, window, n, kh, h, t,
     args = [q, kv, kv, o, lse, q, pos, seg]
     seq_dims, out_dims = [1, 1, 1, 1, 2, 1, 0, 1], [1, 1, 1]
   if in_ring:
-    fn, args = _in_shard_map(fn, args, seq_dims, out_dims)
+    fn = _in_shard_map(fn, seq_dims, out_dims)
   text = _lower_for_cuda(fn, *args)
   # the kernel is a Mosaic GPU custom call, not a fallback
   assert "mosaic_gpu" in text
