@@ -1,6 +1,7 @@
 """`ringflash launch`: start a ringflash job on local processes or on a Cloud TPU slice.
 
-  ringflash launch local --processes N --devices-per-process M [--log_dir D] -- <job>
+  ringflash launch local --processes N --devices-per-process M [--platform cpu|gpu]
+                         [--log_dir D] -- <job>
   ringflash launch tpu --name NAME --zone ZONE --workers W [--project P] [--dry-run] -- <job>
 
 <job> is a ringflash subcommand and its flags (`check`, `train --steps=10`); default `check`.
@@ -38,7 +39,10 @@ def define_flags() -> None:
   flags.DEFINE_integer("processes", 2, "local: N, processes to start",
                        lower_bound=1)
   flags.DEFINE_integer("devices_per_process", 4,
-                       "local: M, CPU devices per process", lower_bound=1)
+                       "local: M, devices per process (CPU devices, or GPUs)", lower_bound=1)
+  flags.DEFINE_enum("platform", "cpu", list(local.PLATFORMS),
+                    "local: cpu (simulated devices, gloo) or gpu (M of this machine's GPUs "
+                    "per process, NCCL)")
   flags.DEFINE_float(
       "stop_timeout_s", 60.0, "local: once a process is lost, the others get SIGTERM, and "
       "SIGKILL if still alive this many seconds later", lower_bound=0.0)
@@ -85,7 +89,8 @@ def main(argv) -> None:
                           devices_per_process=FLAGS.devices_per_process,
                           log_dir=log_dir(target), stop_timeout_s=FLAGS.stop_timeout_s,
                           init_timeout_s=FLAGS.init_timeout_s,
-                          timeout_s=FLAGS.timeout_s or None, port=FLAGS.port or None)
+                          timeout_s=FLAGS.timeout_s or None, port=FLAGS.port or None,
+                          platform=FLAGS.platform)
   else:
     try:
       where = tpu.Slice(name=FLAGS.name, zone=FLAGS.zone, workers=FLAGS.workers,

@@ -41,19 +41,46 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+PLATFORMS = ("cpu", "gpu")
+
+
 def process_env(base: dict[str, str], *, process_id: int, processes: int,
-                devices_per_process: int, port: int, init_timeout_s: int) -> dict[str, str]:
-  """The environment of one process: `base` plus the contract of README.md ("Multi-host launch")."""
+                devices_per_process: int, port: int, init_timeout_s: int,
+                platform: str = "cpu") -> dict[str, str]:
+  """The environment of one process: `base` plus the contract of README.md ("Multi-host launch").
+
+  cpu: `devices_per_process` simulated CPU devices (RINGFLASH_DEVICES_PER_PROCESS).
+  gpu: GPUs `process_id * M .. (process_id + 1) * M - 1` of the machine, counted within
+  `base`'s CUDA_VISIBLE_DEVICES when it is set, become the process's CUDA_VISIBLE_DEVICES;
+  collectives go through NCCL. Everything else in `base` (NCCL_* included) is passed on.
+
+  Raises:
+    ValueError: an unknown platform, or fewer GPUs in CUDA_VISIBLE_DEVICES than the job needs.
+  """
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
   env = dict(base)
   env.update({
       distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
       distributed.ENV_NUM_PROCESSES: str(processes),
       distributed.ENV_PROCESS_ID: str(process_id),
-      distributed.ENV_DEVICES_PER_PROCESS: str(devices_per_process),
       distributed.ENV_INIT_TIMEOUT_S: str(init_timeout_s),
-      "JAX_PLATFORMS": "cpu",
       "PYTHONUNBUFFERED": "1",
   })
+  if platform == "cpu":
+    env.update({distributed.ENV_DEVICES_PER_PROCESS: str(devices_per_process),
+                "JAX_PLATFORMS": "cpu"})
+    return env
+  visible = base.get("CUDA_VISIBLE_DEVICES", "")
+  gpus = ([g.strip() for g in visible.split(",") if g.strip()] if visible
+          else [str(i) for i in range(processes * devices_per_process)])
+  if len(gpus) < processes * devices_per_process:
+    raise ValueError(f"processes={processes} x devices_per_process={devices_per_process} "
+                     f"GPUs needed, CUDA_VISIBLE_DEVICES={visible!r} has {len(gpus)}")
+  env.pop(distributed.ENV_DEVICES_PER_PROCESS, None)
+  env.update({"CUDA_VISIBLE_DEVICES": ",".join(
+      gpus[process_id * devices_per_process:(process_id + 1) * devices_per_process]),
+              "JAX_PLATFORMS": "cuda"})
   return env
 
 
@@ -69,13 +96,15 @@ def describe_exit(returncode: int) -> str:
 def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_dir: str,
            stop_timeout_s: float = 60.0, init_timeout_s: int = 300,
            timeout_s: float | None = None, port: int | None = None,
-           python: str = sys.executable, terminal: TextIO = sys.stdout) -> int:
+           python: str = sys.executable, terminal: TextIO = sys.stdout,
+           platform: str = "cpu") -> int:
   """Runs `ringflash <job>` in `processes` processes; returns 0 iff all of them succeed.
 
   Args:
     job: the ringflash subcommand and its flags, e.g. ["check", "--seq_len=512"].
     processes: N, processes to start.
-    devices_per_process: M, CPU devices of each process (the ring has N * M devices).
+    devices_per_process: M, devices of each process (the ring has N * M devices): simulated
+      CPU devices, or GPUs of this machine (see process_env).
     log_dir: one log file per process is written here (created if missing).
     stop_timeout_s: once a process is lost, the others get SIGTERM; those still alive after
       this many seconds get SIGKILL.
@@ -84,6 +113,7 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
     port: the coordinator's port on 127.0.0.1; None picks a free one.
     python: the interpreter that runs the processes.
     terminal: where the combined, prefixed output and the launcher's messages go.
+    platform: "cpu" or "gpu" (process_env).
 
   Returns:
     0 if every process exited with status 0, else 1.
@@ -93,8 +123,12 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
                      f"must be >= 1")
   if not job:
     raise ValueError("job must name a ringflash subcommand, e.g. ['check']")
-  os.makedirs(log_dir, exist_ok=True)
   port = free_port() if port is None else port
+  envs = [process_env(os.environ, process_id=i, processes=processes,
+                      devices_per_process=devices_per_process, port=port,
+                      init_timeout_s=init_timeout_s, platform=platform)
+          for i in range(processes)]      # bad arguments raise here, before any process starts
+  os.makedirs(log_dir, exist_ok=True)
   command = [python, "-m", "ringflash.cli", *job]
   lock = threading.Lock()
 
@@ -103,7 +137,7 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
       terminal.write(f"ringflash launch: {text}\n")
       terminal.flush()
 
-  say(f"{processes} processes x {devices_per_process} CPU devices, coordinator "
+  say(f"{processes} processes x {devices_per_process} {platform.upper()} devices, coordinator "
       f"127.0.0.1:{port}, logs in {log_dir}")
   say(f"job: {' '.join(command[3:])}")
   procs: list[subprocess.Popen] = []
@@ -112,10 +146,7 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
   threads: list[threading.Thread] = []
   previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
   try:
-    for i in range(processes):
-      env = process_env(os.environ, process_id=i, processes=processes,
-                        devices_per_process=devices_per_process, port=port,
-                        init_timeout_s=init_timeout_s)
+    for env in envs:
       procs.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     for i, proc in enumerate(procs):

@@ -11,9 +11,17 @@ Modes (--mode):
            against one kernel call over the whole length P * T_local.
   layouts  the causal ring per layout (contiguous, zigzag, striped) on one device: each
            simulated device's P steps with its own positions, timed; max/mean shows balance.
-  scaling  weak scaling over the local GPUs: ring_attention on P = 1, 2, 4, ... devices with
-           T/P per device in --seq_lens; efficiency = per-device TFLOP/s of the ring at P over
-           the single-device kernel at the same per-device length.
+  scaling  weak scaling: ring_attention on P = 1, 2, 4, ... of the job's devices with T/P per
+           device in --seq_lens; efficiency = per-device TFLOP/s of the ring at P over the
+           ring of one device at the same per-device length, measured in the same run.
+           Causal rows use --layout (zigzag: balanced). For P > 1 the compiled program is
+           read for whether each ring step's K/V permute is in flight around a kernel.
+           In a multi-process job (`ringflash launch local --platform=gpu -- bench ...`,
+           one process per GPU) P is 1 (each process's own device) and all devices.
+  longest  the longest sequence whose forward+backward fits on all of the job's devices:
+           per-device lengths in --seq_lens (ascending), causal, K = last --kv_heads; each
+           is compiled and its per-device memory (memory_analysis) compared with the
+           device's; those that fit and have T <= --run_max_len are also run once, timed.
 
 FLOP convention (FlashAttention): forward 4 * B * N * T * S * H, halved when causal;
 forward+backward = 3.5x forward. Time: median of --iters calls after --warmup calls, wall
@@ -36,7 +44,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
   before parsing; importing the module (as tests do) defines nothing."""
-  flags.DEFINE_enum("mode", "kernels", ["kernels", "virtual", "layouts", "scaling"],
+  flags.DEFINE_enum("mode", "kernels", ["kernels", "virtual", "layouts", "scaling", "longest"],
                     "what to run")
   flags.DEFINE_list("seq_lens", ["4096", "16384", "65536"],
                     "sequence lengths (kernels: T = S; virtual, scaling: per device)")
@@ -53,6 +61,11 @@ def define_flags() -> None:
   flags.DEFINE_list("ring_sizes", ["2", "4", "8"], "virtual: ring steps P")
   flags.DEFINE_string("out", "bench_out", "folder for JSON and PNG")
   flags.DEFINE_bool("backward", True, "also time forward+backward")
+  flags.DEFINE_enum("layout", "zigzag", ["contiguous", "zigzag", "striped"],
+                    "scaling, longest: layout of the causal rows")
+  flags.DEFINE_string("hlo_dir", "", "scaling: write each ring program's compiled HLO here")
+  flags.DEFINE_integer("run_max_len", 1 << 20, "longest: run (not only compile) total "
+                       "lengths T up to this")
 
 
 def _flops(b, n, t, s, h, causal):
@@ -83,7 +96,7 @@ def _inputs(b, t, n, kh, h):
   return q, k, v, do
 
 
-def _attention_fns(impl, causal, mesh):
+def _attention_fns(impl, causal, mesh, layout="contiguous"):
   """(forward, forward+backward) jitted callables of q, k, v, do for one implementation."""
   import jax  # pylint: disable=g-import-not-at-top
   import ringflash  # pylint: disable=g-import-not-at-top
@@ -95,7 +108,8 @@ def _attention_fns(impl, causal, mesh):
     backend = "auto" if impl == "ringflash" else impl
 
     def f(q, k, v):
-      return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal, backend=backend)
+      return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal, backend=backend,
+                                      layout=layout)
 
   fwd = jax.jit(f)
 
@@ -314,42 +328,131 @@ def _run_layouts():
   return rows
 
 
-def _run_scaling():
-  """Weak scaling: per-device length fixed, P = 1, 2, 4, ... local devices."""
+def _sharded_inputs(mesh, b, t, n, kh, h):
+  """bf16 q, k, v, do generated already split over the mesh's "sp" axis: no device holds the
+  whole sequence, and every process of a multi-process job makes the same call."""
+  import functools  # pylint: disable=g-import-not-at-top
+
   import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  sh = NamedSharding(mesh, P(None, "sp", None, None))
+  return jax.jit(functools.partial(_inputs, b, t, n, kh, h), out_shardings=(sh,) * 4)()
+
+
+def _ring_sizes():
+  """(P, its devices) of the scaling mode. One process: 1, 2, 4, ... of its devices. Several
+  processes: each process's own first device (a local program every process runs at once),
+  then all global devices."""
+  import jax  # pylint: disable=g-import-not-at-top
+  devs = jax.devices()
+  if jax.process_count() > 1:
+    return [(1, jax.local_devices()[:1]), (len(devs), devs)]
+  return [(p, devs[:p]) for p in (1, 2, 4, 8, 16, 32, 64, 128, 256) if p <= len(devs)]
+
+
+def _run_scaling():
+  """Weak scaling: per-device length fixed, P = 1, 2, 4, ... devices."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+
+  from ringflash import hlo  # pylint: disable=g-import-not-at-top
+
+  rows = []
+  for tl in map(int, FLAGS.seq_lens):
+    for kh in map(int, FLAGS.kv_heads):
+      for causal in [c.lower() == "true" for c in FLAGS.causal]:
+        base = (None, None)
+        for p, devs in _ring_sizes():
+          mesh = Mesh(np.array(devs), ("sp",))
+          t = tl * p
+          q, k, v, do = _sharded_inputs(mesh, FLAGS.batch, t, FLAGS.heads, kh, FLAGS.head_dim)
+          layout = FLAGS.layout if causal else "contiguous"
+          fwd, fwd_bwd = _attention_fns("ringflash", causal, mesh, layout)
+          # compiled once, ahead of time: the program that is timed is the one whose HLO is read
+          fwd = fwd.lower(q, k, v).compile()
+          flops = _flops(FLAGS.batch, FLAGS.heads, t, t, FLAGS.head_dim, causal) / p
+          tf = flops / _time(fwd, q, k, v) / 1e12
+          tb, texts = None, [fwd.as_text()]
+          if FLAGS.backward:
+            fwd_bwd = fwd_bwd.lower(q, k, v, do).compile()
+            tb = 3.5 * flops / _time(fwd_bwd, q, k, v, do) / 1e12
+            texts.append(fwd_bwd.as_text())
+          if p == 1:
+            base = (tf, tb)
+          row = {"P": p, "T_local": tl, "K": kh, "causal": causal, "layout": layout,
+                 "fwd_tflops": tf, "fwdbwd_tflops": tb,
+                 "fwd_eff": tf / base[0] if base[0] else None,
+                 "fwdbwd_eff": tb / base[1] if (tb and base[1]) else None}
+          line = (f"P={p} T/P={tl} K={kh} causal={causal}: fwd {tf:.1f} TFLOP/s/dev "
+                  f"(eff {row['fwd_eff'] or 0:.3f}) fwd+bwd {tb or 0:.1f} "
+                  f"(eff {row['fwdbwd_eff'] or 0:.3f})")
+          if p > 1:
+            found = [o for text in texts for o in hlo.permute_overlap(text)]
+            row["permutes"] = len(found)
+            row["permutes_spanning_kernel"] = sum(o.encloses_kernel for o in found)
+            line += f"; {hlo.overlap_summary(found)}"
+            if FLAGS.hlo_dir:
+              _write_hlo(texts, f"P{p}_T{tl}_K{kh}_{'causal' if causal else 'full'}")
+          rows.append(row)
+          print(line, flush=True)
+  return rows
+
+
+def _write_hlo(texts, tag):
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_index() != 0:
+    return
+  os.makedirs(FLAGS.hlo_dir, exist_ok=True)
+  for text, what in zip(texts, ("fwd", "fwdbwd")):
+    with open(os.path.join(FLAGS.hlo_dir, f"{tag}_{what}.txt"), "w") as f:
+      f.write(text)
+
+
+def _run_longest():
+  """Causal forward+backward over all devices at growing lengths: memory, and time if run."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
   devs = jax.devices()
-  sizes = [p for p in (1, 2, 4, 8, 16, 32, 64) if p <= len(devs)]
+  p, n, h, b, kh = len(devs), FLAGS.heads, FLAGS.head_dim, FLAGS.batch, int(FLAGS.kv_heads[-1])
+  mesh = Mesh(np.array(devs), ("sp",))
+  sh = NamedSharding(mesh, P(None, "sp", None, None))
+  stats = jax.local_devices()[0].memory_stats() or {}
+  limit = stats.get("bytes_limit")
   rows = []
-  base_tf = {}
-  for tl in map(int, FLAGS.seq_lens):
-    for kh in map(int, FLAGS.kv_heads):
-      for causal in [c.lower() == "true" for c in FLAGS.causal]:
-        for p in sizes:
-          mesh = Mesh(np.array(devs[:p]), ("sp",))
-          t = tl * p
-          q, k, v, do = _inputs(FLAGS.batch, t, FLAGS.heads, kh, FLAGS.head_dim)
-          sh = NamedSharding(mesh, P(None, "sp", None, None))
-          q, k, v, do = (jax.device_put(x, sh) for x in (q, k, v, do))
-          fwd, fwd_bwd = _attention_fns("ringflash", causal, mesh)
-          flops = _flops(FLAGS.batch, FLAGS.heads, t, t, FLAGS.head_dim, causal) / p
-          tf = flops / _time(fwd, q, k, v) / 1e12
-          tb = 3.5 * flops / _time(fwd_bwd, q, k, v, do) / 1e12 if FLAGS.backward else None
-          key = (tl, kh, causal)
-          if p == 1:
-            base_tf[key] = (tf, tb)
-          b0 = base_tf.get(key, (None, None))
-          row = {"P": p, "T_local": tl, "K": kh, "causal": causal, "fwd_tflops": tf,
-                 "fwdbwd_tflops": tb,
-                 "fwd_eff": tf / b0[0] if b0[0] else None,
-                 "fwdbwd_eff": tb / b0[1] if (tb and b0[1]) else None}
-          rows.append(row)
-          print(f"P={p} T/P={tl} K={kh} causal={causal}: fwd {tf:.1f} TFLOP/s/dev "
-                f"(eff {row['fwd_eff'] or 0:.2f}) fwd+bwd {tb or 0:.1f} "
-                f"(eff {row['fwdbwd_eff'] or 0:.2f})", flush=True)
+  for tl in sorted(map(int, FLAGS.seq_lens)):
+    t = tl * p
+    shapes = [jax.ShapeDtypeStruct((b, t, heads, h), jnp.bfloat16, sharding=sh)
+              for heads in (n, kh, kh, n)]
+    _, fwd_bwd = _attention_fns("ringflash", True, mesh, FLAGS.layout)
+    compiled = fwd_bwd.lower(*shapes).compile()
+    mem = compiled.memory_analysis()
+    need = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes)
+    row = {"P": p, "T": t, "T_local": tl, "N": n, "K": kh, "layout": FLAGS.layout,
+           "bytes_per_device": need, "bytes_limit": limit,
+           "fits": limit is None or need <= limit, "seconds": None}
+    if row["fits"] and t <= FLAGS.run_max_len:
+      q, k, v, do = _sharded_inputs(mesh, b, t, n, kh, h)
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(q, k, v, do))
+      row["seconds"] = time.perf_counter() - t0
+      row["fwdbwd_tflops"] = 3.5 * _flops(b, n, t, t, h, True) / p / row["seconds"] / 1e12
+      del q, k, v, do
+    rows.append(row)
+    limit_text = f"{limit / 2**30:.1f}" if limit else "?"
+    ran = (f"ran in {row['seconds']:.2f} s ({row['fwdbwd_tflops']:.1f} TFLOP/s/dev)"
+           if row["seconds"] is not None else "compiled only")
+    print(f"T={t} ({tl} per device, P={p}, N={n} K={kh} causal {FLAGS.layout}): "
+          f"{need / 2**30:.2f} of {limit_text} GiB per device, "
+          f"{'fits' if row['fits'] else 'does not fit'}; {ran}", flush=True)
+    if not row["fits"]:
+      break
   return rows
 
 
@@ -359,6 +462,9 @@ def main(argv):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
 
+  from ringflash.launch import distributed  # pylint: disable=g-import-not-at-top
+
+  distributed.initialize()      # a multi-process job (RINGFLASH_* set) joins before any device use
   os.makedirs(FLAGS.out, exist_ok=True)
   dev = jax.devices()[0]
   print(f"jax {jax.__version__}, {len(jax.devices())} x {dev.device_kind}", flush=True)
@@ -368,10 +474,15 @@ def main(argv):
     rows = _run_virtual()
   elif FLAGS.mode == "layouts":
     rows = _run_layouts()
-  else:
+  elif FLAGS.mode == "scaling":
     rows = _run_scaling()
+  else:
+    rows = _run_longest()
+  if jax.process_index() != 0:     # process 0 of a multi-process job writes the files
+    return
   meta = {"jax": jax.__version__, "device": dev.device_kind, "mode": FLAGS.mode,
-          "warmup": FLAGS.warmup, "iters": FLAGS.iters}
+          "warmup": FLAGS.warmup, "iters": FLAGS.iters, "processes": jax.process_count(),
+          "devices": len(jax.devices())}
   path = os.path.join(FLAGS.out, f"bench_{FLAGS.mode}.json")
   with open(path, "w") as f:
     json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -26,6 +26,39 @@ def test_bench_mode_writes_rows(tmp_path, mode):
     assert len(rows) == 1 and rows[0]["P"] == 2 and rows[0]["one_ms"] > 0
 
 
+def _bench(tmp_path, *flags, devices=2):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", RINGFLASH_DEVICES_PER_PROCESS=str(devices))
+  cmd = [sys.executable, "-m", "ringflash.cli", "bench", "--kv_heads=1", "--heads=2",
+         "--head_dim=32", "--warmup=0", "--iters=1", f"--out={tmp_path}", *flags]
+  done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  return done.stdout
+
+
+def test_scaling_mode_rows_per_ring_size(tmp_path):
+  out = _bench(tmp_path, "--mode=scaling", "--seq_lens=128", "--causal=false,true",
+               f"--hlo_dir={tmp_path / 'hlo'}", devices=4)
+  rows = json.load(open(tmp_path / "bench_scaling.json"))["rows"]
+  assert [(r["P"], r["causal"], r["layout"]) for r in rows] == [
+      (1, False, "contiguous"), (2, False, "contiguous"), (4, False, "contiguous"),
+      (1, True, "zigzag"), (2, True, "zigzag"), (4, True, "zigzag")]
+  assert all(r["fwd_eff"] > 0 and r["fwdbwd_eff"] > 0 for r in rows)
+  assert [r["fwd_eff"] for r in rows if r["P"] == 1] == [1.0, 1.0]
+  # the xla backend's programs have no Pallas kernel for a permute to span
+  assert all(r["permutes"] == 0 for r in rows if r["P"] > 1)
+  assert "K/V permutes span a kernel" in out
+  assert len(os.listdir(tmp_path / "hlo")) == 8       # fwd and fwd+bwd of each P > 1 ring
+
+
+def test_longest_mode_compiles_each_length_and_runs_the_short_ones(tmp_path):
+  out = _bench(tmp_path, "--mode=longest", "--seq_lens=256,128", "--run_max_len=256")
+  rows = json.load(open(tmp_path / "bench_longest.json"))["rows"]
+  assert [(r["T"], r["T_local"]) for r in rows] == [(256, 128), (512, 256)]
+  assert rows[0]["seconds"] > 0 and rows[1]["seconds"] is None      # 512 > --run_max_len
+  assert rows[0]["bytes_per_device"] < rows[1]["bytes_per_device"]
+  assert "compiled only" in out
+
+
 @pytest.mark.parametrize("backend,platform,kind", [("pallas_gpu", "gpu", "NVIDIA H200"),
                                                    ("pallas_tpu", "tpu", "TPU v6 lite"),
                                                    ("xla", "cpu", "cpu")])

@@ -7,6 +7,7 @@ environment stripped of pytest's own variables; every wait on them is bounded.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shlex
@@ -193,6 +194,51 @@ def test_failing_job_fails_the_launch(tmp_path):
   with open(tmp_path / f"process_{lost.group(1)}.log") as f:
     assert "unknown subcommand 'no-such-job'" in f.read()
   assert f"[{lost.group(1)}] ringflash: unknown subcommand 'no-such-job'" in text
+
+
+def test_scaling_bench_over_processes(tmp_path):
+  """`bench --mode=scaling` in a 2-process job: P=1 on each process's own device, then the
+  ring over both processes; process 0 writes the rows (CPU and gloo here, NCCL on GPUs)."""
+  status = local.launch(["bench", "--mode=scaling", "--seq_lens=128", "--kv_heads=1",
+                         "--heads=2", "--head_dim=32", "--causal=true", "--warmup=0",
+                         "--iters=1", f"--out={tmp_path}"],
+                        processes=2, devices_per_process=1, log_dir=str(tmp_path / "logs"),
+                        stop_timeout_s=10, timeout_s=240, terminal=io.StringIO())
+  assert status == 0, open(tmp_path / "logs" / "process_0.log").read()[-2000:]
+  run = json.load(open(tmp_path / "bench_scaling.json"))
+  assert run["meta"]["processes"] == 2 and run["meta"]["devices"] == 2
+  assert [r["P"] for r in run["rows"]] == [1, 2]
+  assert run["rows"][0]["fwd_eff"] == 1.0 and run["rows"][1]["fwdbwd_eff"] > 0
+  assert run["rows"][1]["layout"] == "zigzag"
+
+
+@pytest.mark.parametrize("base,process_id,want", [
+    ({}, 0, "0,1"), ({}, 1, "2,3"),
+    ({"CUDA_VISIBLE_DEVICES": "4,5,6,7,0"}, 1, "6,7")])
+def test_gpu_processes_get_their_own_gpus(base, process_id, want):
+  base = dict(base, NCCL_NVLS_ENABLE="0", RINGFLASH_DEVICES_PER_PROCESS="8")
+  env = local.process_env(base, process_id=process_id, processes=2, devices_per_process=2,
+                          port=1234, init_timeout_s=30, platform="gpu")
+  assert env["CUDA_VISIBLE_DEVICES"] == want and env["JAX_PLATFORMS"] == "cuda"
+  assert env["NCCL_NVLS_ENABLE"] == "0"                  # the caller's NCCL settings pass on
+  assert "RINGFLASH_DEVICES_PER_PROCESS" not in env      # CPU-only; would be misread
+  assert env["RINGFLASH_PROCESS_ID"] == str(process_id)
+  assert env["RINGFLASH_COORDINATOR"] == "127.0.0.1:1234"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"platform": "tpu"}, "platform must be one of ('cpu', 'gpu'), got 'tpu'"),
+    ({"platform": "gpu", "base": {"CUDA_VISIBLE_DEVICES": "3"}},
+     "processes=2 x devices_per_process=1 GPUs needed, CUDA_VISIBLE_DEVICES='3' has 1")])
+def test_launch_refuses_bad_platform_arguments_before_starting(tmp_path, kwargs, message,
+                                                              monkeypatch):
+  for name, value in kwargs.pop("base", {}).items():
+    monkeypatch.setenv(name, value)
+  terminal = io.StringIO()
+  with pytest.raises(ValueError, match=re.escape(message)):
+    local.launch(["check"], processes=2, devices_per_process=1, log_dir=str(tmp_path / "l"),
+                 terminal=terminal, **kwargs)
+  assert terminal.getvalue() == "" and not (tmp_path / "l").exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,9 +21,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import helpers
-import hlo as hlo_text
 import oracle
 import ringflash
+from ringflash import hlo as hlo_text
 from ringflash import layouts
 from ringflash.kernels import base
 

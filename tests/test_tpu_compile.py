@@ -23,8 +23,8 @@ import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import hlo as hlo_text  # noqa: E402
 import ringflash  # noqa: E402
+from ringflash import hlo as hlo_text  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 reason="needs libtpu (the `tpu` extra) for deviceless compile")
@@ -49,26 +49,6 @@ def _compiled(topology: str, causal: bool, head_dim: int = H, heads: int = N, kv
                         (B, T, kv_heads, head_dim))]
   compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
   return compiled.as_text()
-
-
-def _computations(hlo: str) -> dict[str, list[str]]:
-  """Computation name -> its instruction lines, in the compiled (scheduled) order."""
-  return hlo_text.computations(hlo)[0]
-
-
-def _has_kernel(comps, name, seen=None) -> bool:
-  """Whether computation `name` runs a Mosaic kernel, directly or through what it calls."""
-  seen = set() if seen is None else seen
-  if name in seen or name not in comps:
-    return False
-  seen.add(name)
-  for line in comps[name]:
-    if 'custom_call_target="tpu_custom_call"' in line:
-      return True
-    for callee in _callees([line]):
-      if _has_kernel(comps, callee, seen):
-        return True
-  return False
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -117,39 +97,11 @@ def test_each_ring_step_permute_is_in_flight_around_the_kernel(topology):
   """In every ring loop body (forward and backward) each K/V block's collective-permute-start
   is issued before a kernel and its done comes after it: the transfer overlaps the kernel."""
   per_chip, kv_heads = 4096, 8
-  comps = _computations(_schedule(topology, per_chip, kv_heads))
-  kv_shape = f"bf16[1,{per_chip},{kv_heads},{H}]"
-  loop_bodies = {m for lines in comps.values() for l in lines
-                 for m in re.findall(r"\bbody=%?([\w.\-]+)", l)}
-  bodies = 0
-  for name in loop_bodies:
-    lines = comps[name]
-    kernel_at = [i for i, l in enumerate(lines) if _line_runs_kernel(comps, l)]
-    kv_starts = [i for i, l in enumerate(lines)
-                 if " collective-permute-start(" in l and f"({kv_shape}" in l]
-    if not kernel_at or not kv_starts:
-      continue
-    bodies += 1
-    for i in kv_starts:
-      start = re.match(r"\s*%([\w.\-]+) =", lines[i]).group(1)
-      done = next(j for j, l in enumerate(lines)
-                  if re.search(rf"collective-permute-done\(%{re.escape(start)}\)", l))
-      assert any(i < k < done for k in kernel_at), (
-          f"{name}: {start} (line {i}) .. done (line {done}) encloses no kernel; kernels at "
-          f"{kernel_at}")
+  found = hlo_text.permute_overlap(_schedule(topology, per_chip, kv_heads))
+  kv = [p for p in found if p.shape == f"bf16[1,{per_chip},{kv_heads},{H}]"]
+  bodies = len({p.body for p in kv})
+  for p in kv:
+    assert p.encloses_kernel, f"{p.body}: {p.start} .. its done encloses no kernel"
   assert bodies >= 2, "expected a forward and a backward ring loop body"
 
 
-def _callees(lines):
-  """Names of the computations that these instruction lines call."""
-  out = []
-  for line in lines:
-    for callee in re.findall(r"(?:calls|to_apply|body|condition|branch_computations)="
-                             r"(\{[^}]*\}|%?[\w.\-]+)", line):
-      out += [c.strip().lstrip("%") for c in callee.strip("{}").split(",")]
-  return out
-
-
-def _line_runs_kernel(comps, line) -> bool:
-  return 'custom_call_target="tpu_custom_call"' in line or any(
-      _has_kernel(comps, c) for c in _callees([line]))
