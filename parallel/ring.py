@@ -34,7 +34,15 @@ TPU a conditional around the kernel keeps XLA's scheduler from starting the next
 transfer before it (seen in the compiled v5p schedule of the backward ring), and the
 transfer must overlap the kernel.
 
+Transfers: a piece's K and V travel as one array [2, B, S, K, H], and so do its dK/dV
+accumulators, so each step's bulk transfer is a single collective-permute. XLA's GPU
+scheduler keeps one collective in flight by default; with K and V as two permutes only one
+of them overlapped the kernel on two H200s (GPU_COLLECTIVES_IN_FLIGHT below raises the
+limit for the backward, whose K/V and dK/dV transfers are in flight together from P = 3).
+
 Everything carried across steps is float32; the output is cast to the input dtype once.
+The dK/dV accumulators take their one cast before their last hop home, which no kernel
+overlaps, so that hop moves half the bytes.
 This module knows the kernel contract only (a backend module with forward/backward), never
 a particular kernel.
 """
@@ -52,6 +60,13 @@ from jax import lax
 from ringflash import layouts
 from ringflash.kernels import base
 from ringflash.parallel.merge import merge
+
+
+# XLA's GPU scheduler keeps at most this option's value of collectives in flight at once
+# (default 1). A backward step has two: the next K/V block goes on while the last step's
+# dK/dV accumulator travels. `ringflash launch local --platform=gpu` sets it in XLA_FLAGS and
+# `ringflash bench` passes it as a compiler option; README.md ("GPUs") tells users how.
+GPU_COLLECTIVES_IN_FLIGHT = ("xla_gpu_experimental_parallel_collective_overlap_limit", 2)
 
 
 class Residuals(NamedTuple):
@@ -94,6 +109,21 @@ def _pieces(kv, parts: int):
 
   return [(cut(k, 1, p), cut(v, 1, p), cut(kv_pos, 0, p), cut(kv_seg, 1, p))
           for p in range(parts)]
+
+
+def _packed(piece):
+  """(k, v, kv_pos, kv_seg) -> (kv [2, B, S, K, H], kv_pos, kv_seg): K and V travel as one
+  array, so each step's bulk transfer is one collective-permute. XLA's GPU scheduler keeps
+  few collectives in flight at once (one by default): with K and V as two permutes, only
+  one of them overlapped the kernel and the other ran alone (seen in the compiled program
+  on two H200s)."""
+  k, v, kv_pos, kv_seg = piece
+  return jnp.stack([k, v]), kv_pos, kv_seg
+
+
+def _unpacked(piece):
+  kv, kv_pos, kv_seg = piece
+  return kv[0], kv[1], kv_pos, kv_seg
 
 
 def _phases(plan):
@@ -149,7 +179,7 @@ def _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel, layout=
     return base.filled((b, t, n, h), 0.0, refs), base.filled((b, n, t), -jnp.inf, refs)
 
   def hop(o, lse, kv):
-    k_, v_, kp, ks = kv
+    k_, v_, kp, ks = _unpacked(kv)
     # No conditional here: a dead hop is skipped inside the kernel (see module docstring).
     return merge(o, lse, *kernel.forward(q, k_, v_, q_pos, kp, q_seg, ks, spec))
 
@@ -165,7 +195,7 @@ def _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel, layout=
     return o, lse, tuple(nxt)
 
   o, lse = empty()
-  kvs = tuple(pieces[lane.part] for lane in plan.lanes)
+  kvs = tuple(_packed(pieces[lane.part]) for lane in plan.lanes)
   o, lse, _ = _run_phases(plan, body, (o, lse, kvs))
   return o.astype(q.dtype), lse
 
@@ -180,7 +210,7 @@ def _backward(res: Residuals, dout, dlse, spec, axis_name, ring_size, kernel,
   refs = (q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg)
 
   def grads(kv):
-    k_, v_, kp, ks = kv
+    k_, v_, kp, ks = _unpacked(kv)
     return kernel.backward(q, k_, v_, out, lse, dout, q_pos, kp, q_seg, ks, spec, dlse=dlse)
 
   def body(s, carry, moving, computing):
@@ -192,14 +222,14 @@ def _backward(res: Residuals, dout, dlse, spec, axis_name, ring_size, kernel,
     for i in computing:
       dq_i, dk_i, dv_i = grads(kvs[i])
       dq = dq + dq_i
-      dkvs[i] = (dkvs[i][0] + dk_i, dkvs[i][1] + dv_i)
+      dkvs[i] = dkvs[i] + jnp.stack([dk_i, dv_i])     # [2, B, S, K, H] float32
     # Each accumulator travels with its piece, leaving only once this step has added to it.
     for i in moving:
       dkvs[i] = lax.ppermute(dkvs[i], axis_name, _shift_perm(ring_size, plan.lanes[i].direction))
     return dq, tuple(nxt), tuple(dkvs)
 
-  kvs = tuple(pieces[lane.part] for lane in plan.lanes)
-  dkvs = tuple((base.filled(kv[0].shape, 0.0, refs),) * 2 for kv in kvs)
+  kvs = tuple(_packed(pieces[lane.part]) for lane in plan.lanes)
+  dkvs = tuple(base.filled(kv[0].shape, 0.0, refs) for kv in kvs)
   dq, _, dkvs = _run_phases(plan, body, (base.filled(q.shape, 0.0, refs), kvs, dkvs))
 
   # Send every accumulator home. After its last step a lane's accumulator on device i
@@ -208,10 +238,16 @@ def _backward(res: Residuals, dout, dlse, spec, axis_name, ring_size, kernel,
   # window lane with last = 2 on P = 8: device 5 holds device 3's and sends it 2 back.
   dk_parts = [None] * plan.parts
   dv_parts = [None] * plan.parts
-  for lane, (dk_l, dv_l) in zip(plan.lanes, dkvs):
+  lanes_of_part = [sum(lane.part == p for lane in plan.lanes) for p in range(plan.parts)]
+  for lane, dkv in zip(plan.lanes, dkvs):
     shift = (-lane.direction * lane.last) % ring_size
     if shift:
-      dk_l, dv_l = lax.ppermute((dk_l, dv_l), axis_name, _shift_perm(ring_size, shift))
+      if lanes_of_part[lane.part] == 1:
+        # Complete: nothing is added to it any more, so its one cast to the input dtype
+        # can come before this last hop, which then moves half the bytes of float32.
+        dkv = dkv.astype(k.dtype)
+      dkv = lax.ppermute(dkv, axis_name, _shift_perm(ring_size, shift))
+    dk_l, dv_l = dkv[0], dkv[1]
     p = lane.part
     dk_parts[p] = dk_l if dk_parts[p] is None else dk_parts[p] + dk_l
     dv_parts[p] = dv_l if dv_parts[p] is None else dv_parts[p] + dv_l

@@ -17,6 +17,8 @@ import re
 
 from absl import flags
 
+from ringflash import hlo
+
 FLAGS = flags.FLAGS
 
 
@@ -75,14 +77,14 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
     fn = attn
   compiled = jax.jit(fn).lower(*args).compile()
   mem = compiled.memory_analysis()
-  hlo = compiled.as_text()
+  text = compiled.as_text()
 
   kernel = get_backend(_validate.resolve_backend(backend, "tpu", devices[0]))
   bq, bk = kernel.resolve_block_sizes(
       ringflash.BlockSizes(), seq_len // ring, seq_len // ring, head_dim=head_dim,
       kv_heads=kv_heads, group=heads // kv_heads, dtype=dt,
       device_kind=devices[0].device_kind)
-  per_body = _permutes_per_loop_body(hlo)
+  per_body = _permutes_per_loop_body(text)
   total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
   hbm = HBM_BYTES.get(topology.split(":")[0])
   return {
@@ -92,29 +94,23 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
       "outputs": mem.output_size_in_bytes, "total": total, "hbm": hbm,
       "fits": None if hbm is None else total <= hbm,
       "permutes_per_step": per_body,
-      "all_gathers": len(re.findall(r" all-gather(?:-start)?\(", hlo)),
+      "all_gathers": len(re.findall(r" all-gather(?:-start)?\(", text)),
   }
 
 
-def _permutes_per_loop_body(hlo: str) -> list[int]:
+def _permutes_per_loop_body(text: str) -> list[int]:
   """Collective-permutes in each while-loop body of a compiled module, in order.
 
-  A ring loop body runs one step; it sends one permute per array that travels (k, v and
-  their positions; in the backward also the dk/dv accumulators). Asynchronous permutes are
-  counted by their start, synchronous ones as they are.
+  A ring loop body runs one step; it sends one permute per array that travels (k and v as
+  one array, their positions; in the backward also the dk/dv accumulators, one array).
+  Asynchronous permutes are counted by their start, synchronous ones as they are.
   """
-  bodies, name, counts = set(re.findall(r"\bbody=%?([\w.\-]+)", hlo)), None, {}
-  for line in hlo.splitlines():
-    head = re.match(r"^%?([\w.\-]+) .*\{$", line)
-    if head and not line.startswith(" "):
-      name = head.group(1) if head.group(1) in bodies else None
-      if name is not None:
-        counts[name] = 0
-    elif line.startswith("}"):
-      name = None
-    elif name is not None and re.search(r" collective-permute(?:-start)?\(", line):
-      counts[name] += 1
-  return [c for c in counts.values() if c]
+  comps, _ = hlo.computations(text)
+  bodies = {m for lines in comps.values() for line in lines
+            for m in re.findall(r"\bbody=%?([\w.\-]+)", line)}
+  counts = [sum(bool(re.search(r" collective-permute(?:-start)?\(", line)) for line in lines)
+            for name, lines in comps.items() if name in bodies]
+  return [c for c in counts if c]
 
 
 def _gib(x):
