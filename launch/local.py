@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from ringflash.launch import distributed
+from ringflash.parallel import ring
 
 _KILL_WAIT_S = 10.0      # after SIGKILL, how long to wait for the kernel to reap a process
 _READER_JOIN_S = 5.0     # after a process ends, how long its output may still drain
@@ -52,7 +53,8 @@ def process_env(base: dict[str, str], *, process_id: int, processes: int,
   cpu: `devices_per_process` simulated CPU devices (RINGFLASH_DEVICES_PER_PROCESS).
   gpu: GPUs `process_id * M .. (process_id + 1) * M - 1` of the machine, counted within
   `base`'s CUDA_VISIBLE_DEVICES when it is set, become the process's CUDA_VISIBLE_DEVICES;
-  collectives go through NCCL. Everything else in `base` (NCCL_* included) is passed on.
+  collectives go through NCCL. XLA_FLAGS gains ring.GPU_COLLECTIVES_IN_FLIGHT unless it sets
+  that option already. Everything else in `base` (NCCL_* included) is passed on.
 
   Raises:
     ValueError: an unknown platform, or fewer GPUs in CUDA_VISIBLE_DEVICES than the job needs.
@@ -78,6 +80,9 @@ def process_env(base: dict[str, str], *, process_id: int, processes: int,
     raise ValueError(f"processes={processes} x devices_per_process={devices_per_process} "
                      f"GPUs needed, CUDA_VISIBLE_DEVICES={visible!r} has {len(gpus)}")
   env.pop(distributed.ENV_DEVICES_PER_PROCESS, None)
+  option, value = ring.GPU_COLLECTIVES_IN_FLIGHT
+  if option not in env.get("XLA_FLAGS", ""):      # the caller's own setting wins
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --{option}={value}".strip()
   env.update({"CUDA_VISIBLE_DEVICES": ",".join(
       gpus[process_id * devices_per_process:(process_id + 1) * devices_per_process]),
               "JAX_PLATFORMS": "cuda"})

@@ -41,6 +41,7 @@ from absl import flags
 FLAGS = flags.FLAGS
 
 
+
 def define_flags() -> None:
   """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
   before parsing; importing the module (as tests do) defines nothing."""
@@ -64,8 +65,23 @@ def define_flags() -> None:
   flags.DEFINE_enum("layout", "zigzag", ["contiguous", "zigzag", "striped"],
                     "scaling, longest: layout of the causal rows")
   flags.DEFINE_string("hlo_dir", "", "scaling: write each ring program's compiled HLO here")
+  from ringflash.parallel import ring  # pylint: disable=g-import-not-at-top
+  option, value = ring.GPU_COLLECTIVES_IN_FLIGHT
+  flags.DEFINE_integer("collectives_in_flight", value, "scaling, longest, on GPUs: how many "
+                       f"collectives XLA may keep in flight at once (its option {option}); "
+                       "0 leaves XLA's default, one", lower_bound=0)
   flags.DEFINE_integer("run_max_len", 1 << 20, "longest: run (not only compile) total "
                        "lengths T up to this")
+
+
+def _compile(jitted, *args):
+  """jitted.lower(*args).compile(), on GPUs with --collectives_in_flight applied."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from ringflash.parallel import ring  # pylint: disable=g-import-not-at-top
+  options = {}
+  if jax.devices()[0].platform == "gpu" and FLAGS.collectives_in_flight:
+    options[ring.GPU_COLLECTIVES_IN_FLIGHT[0]] = FLAGS.collectives_in_flight
+  return jitted.lower(*args).compile(compiler_options=options or None)
 
 
 def _flops(b, n, t, s, h, causal):
@@ -371,12 +387,12 @@ def _run_scaling():
           layout = FLAGS.layout if causal else "contiguous"
           fwd, fwd_bwd = _attention_fns("ringflash", causal, mesh, layout)
           # compiled once, ahead of time: the program that is timed is the one whose HLO is read
-          fwd = fwd.lower(q, k, v).compile()
+          fwd = _compile(fwd, q, k, v)
           flops = _flops(FLAGS.batch, FLAGS.heads, t, t, FLAGS.head_dim, causal) / p
           tf = flops / _time(fwd, q, k, v) / 1e12
           tb, texts = None, [fwd.as_text()]
           if FLAGS.backward:
-            fwd_bwd = fwd_bwd.lower(q, k, v, do).compile()
+            fwd_bwd = _compile(fwd_bwd, q, k, v, do)
             tb = 3.5 * flops / _time(fwd_bwd, q, k, v, do) / 1e12
             texts.append(fwd_bwd.as_text())
           if p == 1:
@@ -430,7 +446,7 @@ def _run_longest():
     shapes = [jax.ShapeDtypeStruct((b, t, heads, h), jnp.bfloat16, sharding=sh)
               for heads in (n, kh, kh, n)]
     _, fwd_bwd = _attention_fns("ringflash", True, mesh, FLAGS.layout)
-    compiled = fwd_bwd.lower(*shapes).compile()
+    compiled = _compile(fwd_bwd, *shapes)
     mem = compiled.memory_analysis()
     need = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
             - mem.alias_size_in_bytes)

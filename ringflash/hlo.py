@@ -60,10 +60,10 @@ def runs_kernel(comps: dict[str, list[str]], line: str, seen: set[str] | None = 
 
 @dataclasses.dataclass(frozen=True)
 class PermuteOverlap:
-  """One collective-permute in a ring loop body, and whether its transfer spans a kernel.
+  """One collective-permute of a ring step, and whether its transfer spans a kernel.
 
   Attributes:
-    body: the while body's computation name.
+    body: the computation it is in (a while body, or the one a short loop was unrolled into).
     start: the start instruction's name (the permute's, when synchronous).
     shape: the transferred array's type, e.g. "bf16[1,4096,8,128]".
     encloses_kernel: a kernel runs between the start and its done, in scheduled order.
@@ -76,29 +76,32 @@ class PermuteOverlap:
 
 
 def permute_overlap(hlo: str) -> list[PermuteOverlap]:
-  """Every collective-permute in a while body that also runs a kernel (the ring loops).
+  """Every collective-permute in a computation that also runs a kernel (the ring's steps).
 
-  A start and its done bracket the transfer in the compiled schedule; a kernel between them
-  means the transfer runs while the kernel computes. A synchronous collective-permute (no
-  start/done pair) spans nothing. Kernels are the custom calls of _KERNEL_MARKS: the xla
-  backend's plain fusions are not counted, so its programs report no ring loop bodies.
+  The ring's steps are a while loop's body, or, where XLA unrolled a short loop (GPU, P=2),
+  the enclosing computation itself. A start and its done bracket the transfer in the
+  compiled schedule; a kernel between them (or a loop or call that runs one) means the
+  transfer runs while the kernel computes. A synchronous collective-permute (no start/done
+  pair) spans nothing. Kernels are the custom calls of _KERNEL_MARKS: the xla backend's plain
+  fusions are not counted, so its programs report nothing.
   """
   comps, _ = computations(hlo)
-  bodies = {m for lines in comps.values() for line in lines
-            for m in re.findall(r"\bbody=%?([\w.\-]+)", line)}
   found = []
-  for name in sorted(bodies & comps.keys()):
+  for name in sorted(comps):
     lines = comps[name]
+    permutes = [i for i, line in enumerate(lines)
+                if " collective-permute(" in line or " collective-permute-start(" in line]
+    if not permutes:
+      continue
     kernel_at = [i for i, line in enumerate(lines) if runs_kernel(comps, line)]
     if not kernel_at:
       continue
-    for i, line in enumerate(lines):
-      sync = " collective-permute(" in line
-      if not sync and " collective-permute-start(" not in line:
-        continue
+    for i in permutes:
+      line = lines[i]
       start = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) =", line).group(1)
-      shape = re.search(r"= \(?([a-z]\w*\[[\d,]*\])", line)
-      done = i if sync else next(
+      # the start's type: "(bf16[...]{...}, ...)", or "((bf16[...]{...}), ...)" on GPU
+      shape = re.search(r"= \(*([a-z]\w*\[[\d,]*\])", line)
+      done = i if " collective-permute(" in line else next(
           (j for j, other in enumerate(lines)
            if re.search(rf"collective-permute-done\(.*%{re.escape(start)}\)", other)),
           len(lines))
@@ -108,7 +111,11 @@ def permute_overlap(hlo: str) -> list[PermuteOverlap]:
 
 
 def overlap_summary(found: list[PermuteOverlap]) -> str:
-  """One line: how many ring-loop permutes span a kernel, e.g. "6 of 6 in 2 loop bodies"."""
-  spanning = sum(p.encloses_kernel for p in found)
-  bodies = len({p.body for p in found})
-  return f"{spanning} of {len(found)} K/V permutes span a kernel, in {bodies} ring loop bodies"
+  """One line, per transferred type: how many of its permutes span a kernel, e.g.
+  "permutes spanning a kernel: bf16[1,16384,16,128] 4 of 4, s32[16384] 0 of 2"."""
+  if not found:
+    return "permutes spanning a kernel: none found"
+  shapes = sorted({p.shape for p in found})
+  parts = [f"{shape or '?'} {sum(p.encloses_kernel for p in found if p.shape == shape)} of "
+           f"{sum(p.shape == shape for p in found)}" for shape in shapes]
+  return "permutes spanning a kernel: " + ", ".join(parts)

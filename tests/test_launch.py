@@ -221,9 +221,22 @@ def test_gpu_processes_get_their_own_gpus(base, process_id, want):
                           port=1234, init_timeout_s=30, platform="gpu")
   assert env["CUDA_VISIBLE_DEVICES"] == want and env["JAX_PLATFORMS"] == "cuda"
   assert env["NCCL_NVLS_ENABLE"] == "0"                  # the caller's NCCL settings pass on
+  assert env["XLA_FLAGS"] == "--xla_gpu_experimental_parallel_collective_overlap_limit=2"
   assert "RINGFLASH_DEVICES_PER_PROCESS" not in env      # CPU-only; would be misread
   assert env["RINGFLASH_PROCESS_ID"] == str(process_id)
   assert env["RINGFLASH_COORDINATOR"] == "127.0.0.1:1234"
+
+
+def test_gpu_processes_keep_the_callers_xla_flags():
+  base = {"XLA_FLAGS": "--xla_dump_to=/tmp/d"}
+  env = local.process_env(base, process_id=0, processes=1, devices_per_process=1, port=1,
+                          init_timeout_s=30, platform="gpu")
+  assert env["XLA_FLAGS"] == ("--xla_dump_to=/tmp/d "
+                              "--xla_gpu_experimental_parallel_collective_overlap_limit=2")
+  base = {"XLA_FLAGS": "--xla_gpu_experimental_parallel_collective_overlap_limit=3"}
+  env = local.process_env(base, process_id=0, processes=1, devices_per_process=1, port=1,
+                          init_timeout_s=30, platform="gpu")
+  assert env["XLA_FLAGS"] == base["XLA_FLAGS"]
 
 
 @pytest.mark.parametrize("kwargs,message", [
