@@ -35,7 +35,8 @@ transfer before it (seen in the compiled v5p schedule of the backward ring), and
 transfer must overlap the kernel.
 
 Transfers: a piece's K and V travel as one array [2, B, S, K, H], and so do its dK/dV
-accumulators, so each step's bulk transfer is a single collective-permute. XLA's GPU
+accumulators, so each step's bulk transfer is a single collective-permute. Key positions
+are not sent: each device computes those of the piece it holds from the step index. XLA's GPU
 scheduler keeps one collective in flight by default; with K and V as two permutes only one
 of them overlapped the kernel on two H200s (GPU_COLLECTIVES_IN_FLIGHT below raises the
 limit for the backward, whose K/V and dK/dV transfers are in flight together from P = 3).
@@ -96,34 +97,48 @@ def local_positions(axis_name: str, length: int, layout: str = "contiguous"):
 
 
 def _pieces(kv, parts: int):
-  """Splits each array of kv = (k, v, kv_pos, kv_seg) into `parts` equal runs of rows.
+  """Splits each array of kv = (k, v, kv_seg) into `parts` equal runs of rows.
 
-  Rows are axis 1 of k, v [B, S, K, H] and kv_seg [B, S], axis 0 of kv_pos [S]. With
-  parts = 2 and S = 8, piece 0 holds rows 0..3 and piece 1 rows 4..7.
+  Rows are axis 1 of k, v [B, S, K, H] and kv_seg [B, S]. With parts = 2 and S = 8, piece 0
+  holds rows 0..3 and piece 1 rows 4..7.
   """
-  k, v, kv_pos, kv_seg = kv
+  k, v, kv_seg = kv
   size = k.shape[1] // parts
 
-  def cut(x, axis, p):
-    return None if x is None else lax.slice_in_dim(x, p * size, (p + 1) * size, axis=axis)
+  def cut(x, p):
+    return None if x is None else lax.slice_in_dim(x, p * size, (p + 1) * size, axis=1)
 
-  return [(cut(k, 1, p), cut(v, 1, p), cut(kv_pos, 0, p), cut(kv_seg, 1, p))
-          for p in range(parts)]
+  return [(cut(k, p), cut(v, p), cut(kv_seg, p)) for p in range(parts)]
 
 
 def _packed(piece):
-  """(k, v, kv_pos, kv_seg) -> (kv [2, B, S, K, H], kv_pos, kv_seg): K and V travel as one
-  array, so each step's bulk transfer is one collective-permute. XLA's GPU scheduler keeps
-  few collectives in flight at once (one by default): with K and V as two permutes, only
-  one of them overlapped the kernel and the other ran alone (seen in the compiled program
-  on two H200s)."""
-  k, v, kv_pos, kv_seg = piece
-  return jnp.stack([k, v]), kv_pos, kv_seg
+  """(k, v, kv_seg) -> (kv [2, B, S, K, H], kv_seg): K and V travel as one array, so each
+  step's bulk transfer is one collective-permute. XLA's GPU scheduler keeps few collectives
+  in flight at once (one by default): with K and V as two permutes, only one of them
+  overlapped the kernel and the other ran alone (seen in the compiled program on two
+  H200s)."""
+  k, v, kv_seg = piece
+  return jnp.stack([k, v]), kv_seg
 
 
 def _unpacked(piece):
-  kv, kv_pos, kv_seg = piece
-  return kv[0], kv[1], kv_pos, kv_seg
+  kv, kv_seg = piece
+  return kv[0], kv[1], kv_seg
+
+
+def _held_positions(plan, i: int, s, axis_name: str, ring_size: int, length: int, layout: str):
+  """[length / parts] global positions of the piece lane i holds at step s.
+
+  Positions are not sent with their piece: lane i has moved its piece `direction` once per
+  step since step 0, so at step s it holds the piece of device (d - direction * s) mod P.
+  Contiguous, P = 4, 16 keys per device, one part, lane +1: device 2 at step 1 holds device
+  1's piece, positions 16..31; at step 3 device 3's, 48..63.
+  """
+  lane = plan.lanes[i]
+  origin = (lax.axis_index(axis_name) - lane.direction * s) % ring_size
+  size = length // plan.parts
+  pos = layouts.device_positions(layout, origin, ring_size, length)
+  return lax.slice_in_dim(pos, lane.part * size, (lane.part + 1) * size)
 
 
 def _phases(plan):
@@ -170,16 +185,17 @@ def _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel, layout=
   b, t, n, h = q.shape
   plan = _plan(q, k, spec, ring_size, layout, bidirectional)
   q_pos = local_positions(axis_name, t, layout)
-  kv_pos = local_positions(axis_name, k.shape[1], layout)
-  pieces = _pieces((k, v, kv_pos, kv_seg), plan.parts)
+  pieces = _pieces((k, v, kv_seg), plan.parts)
+  held = functools.partial(_held_positions, plan, axis_name=axis_name, ring_size=ring_size,
+                           length=k.shape[1], layout=layout)
 
-  refs = (q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+  refs = (q, k, v, q_pos, q_seg, kv_seg)
 
   def empty():
     return base.filled((b, t, n, h), 0.0, refs), base.filled((b, n, t), -jnp.inf, refs)
 
-  def hop(o, lse, kv):
-    k_, v_, kp, ks = _unpacked(kv)
+  def hop(o, lse, kv, kp):
+    k_, v_, ks = _unpacked(kv)
     # No conditional here: a dead hop is skipped inside the kernel (see module docstring).
     return merge(o, lse, *kernel.forward(q, k_, v_, q_pos, kp, q_seg, ks, spec))
 
@@ -191,7 +207,7 @@ def _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel, layout=
     for i in moving:
       nxt[i] = lax.ppermute(kvs[i], axis_name, _shift_perm(ring_size, plan.lanes[i].direction))
     for i in computing:
-      o, lse = hop(o, lse, kvs[i])
+      o, lse = hop(o, lse, kvs[i], held(i, s))
     return o, lse, tuple(nxt)
 
   o, lse = empty()
@@ -205,12 +221,13 @@ def _backward(res: Residuals, dout, dlse, spec, axis_name, ring_size, kernel,
   q, k, v, out, lse, q_seg, kv_seg = res
   plan = _plan(q, k, spec, ring_size, layout, bidirectional)
   q_pos = local_positions(axis_name, q.shape[1], layout)
-  kv_pos = local_positions(axis_name, k.shape[1], layout)
-  pieces = _pieces((k, v, kv_pos, kv_seg), plan.parts)
-  refs = (q, k, v, out, lse, dout, dlse, q_pos, kv_pos, q_seg, kv_seg)
+  pieces = _pieces((k, v, kv_seg), plan.parts)
+  held = functools.partial(_held_positions, plan, axis_name=axis_name, ring_size=ring_size,
+                           length=k.shape[1], layout=layout)
+  refs = (q, k, v, out, lse, dout, dlse, q_pos, q_seg, kv_seg)
 
-  def grads(kv):
-    k_, v_, kp, ks = _unpacked(kv)
+  def grads(kv, kp):
+    k_, v_, ks = _unpacked(kv)
     return kernel.backward(q, k_, v_, out, lse, dout, q_pos, kp, q_seg, ks, spec, dlse=dlse)
 
   def body(s, carry, moving, computing):
@@ -220,7 +237,7 @@ def _backward(res: Residuals, dout, dlse, spec, axis_name, ring_size, kernel,
     for i in moving:
       nxt[i] = lax.ppermute(kvs[i], axis_name, _shift_perm(ring_size, plan.lanes[i].direction))
     for i in computing:
-      dq_i, dk_i, dv_i = grads(kvs[i])
+      dq_i, dk_i, dv_i = grads(kvs[i], held(i, s))
       dq = dq + dq_i
       dkvs[i] = dkvs[i] + jnp.stack([dk_i, dv_i])     # [2, B, S, K, H] float32
     # Each accumulator travels with its piece, leaving only once this step has added to it.

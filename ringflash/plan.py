@@ -102,7 +102,7 @@ def _permutes_per_loop_body(text: str) -> list[int]:
   """Collective-permutes in each while-loop body of a compiled module, in order.
 
   A ring loop body runs one step; it sends one permute per array that travels (k and v as
-  one array, their positions; in the backward also the dk/dv accumulators, one array).
+  one array; in the backward also the dk/dv accumulators, one array; segment ids if given).
   Asynchronous permutes are counted by their start, synchronous ones as they are.
   """
   comps, _ = hlo.computations(text)

@@ -20,9 +20,9 @@ def test_plan_reports_memory_fit_and_ring_permutes():
                        dtype="bfloat16", causal=True, mode="train", backend="auto")
   assert small["backend"] == "pallas_tpu" and small["chips"] == 8
   assert small["tokens_per_chip"] == 8192
-  # One loop body per ring: forward sends k and v (one array) and positions; backward
-  # also the dk/dv accumulators (one array).
-  assert small["permutes_per_step"] == [2, 3]
+  # One loop body per ring: forward sends k and v (one array); backward also the dk/dv
+  # accumulators (one array). Positions are computed, not sent.
+  assert small["permutes_per_step"] == [1, 2]
   assert small["all_gathers"] == 0
   assert small["fits"] and 0 < small["total"] < small["hbm"]
   big = planner.plan("v5e:2x4", batch=1, seq_len=131072, heads=8, kv_heads=2, head_dim=128,
