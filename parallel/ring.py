@@ -66,7 +66,7 @@ from ringflash.parallel.merge import merge
 # XLA's GPU scheduler keeps at most this option's value of collectives in flight at once
 # (default 1). A backward step has two: the next K/V block goes on while the last step's
 # dK/dV accumulator travels. `ringflash launch local --platform=gpu` sets it in XLA_FLAGS and
-# `ringflash bench` passes it as a compiler option; README.md ("GPUs") tells users how.
+# `ringflash bench` passes it as a compiler option; README.md ("Several GPUs") tells users how.
 GPU_COLLECTIVES_IN_FLIGHT = ("xla_gpu_experimental_parallel_collective_overlap_limit", 2)
 
 
@@ -130,7 +130,7 @@ def _held_positions(plan, i: int, s, axis_name: str, ring_size: int, length: int
   """[length / parts] global positions of the piece lane i holds at step s.
 
   Positions are not sent with their piece: lane i has moved its piece `direction` once per
-  step since step 0, so at step s it holds the piece of device (d - direction * s) mod P.
+  step since step 0, so at step s device d holds the piece of device (d - direction * s) mod P.
   Contiguous, P = 4, 16 keys per device, one part, lane +1: device 2 at step 1 holds device
   1's piece, positions 16..31; at step 3 device 3's, 48..63.
   """

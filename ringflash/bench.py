@@ -41,7 +41,6 @@ from absl import flags
 FLAGS = flags.FLAGS
 
 
-
 def define_flags() -> None:
   """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
   before parsing; importing the module (as tests do) defines nothing."""

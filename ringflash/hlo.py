@@ -33,6 +33,31 @@ def computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
   return comps, entry
 
 
+def loop_bodies(comps: dict[str, list[str]]) -> set[str]:
+  """Names of the computations that are while-loop bodies."""
+  return {m for lines in comps.values() for line in lines
+          for m in re.findall(r"\bbody=%?([\w.\-]+)", line)}
+
+
+def instruction_name(line: str) -> str | None:
+  """The instruction's name: collective-permute-start.1 in
+  `  %collective-permute-start.1 = (...) collective-permute-start(...)`."""
+  found = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) =", line)
+  return found.group(1) if found else None
+
+
+def is_permute(line: str) -> bool:
+  """A collective-permute, synchronous or the start of an asynchronous one."""
+  return " collective-permute(" in line or " collective-permute-start(" in line
+
+
+def transferred_shape(line: str) -> str:
+  """The type a permute moves, e.g. "bf16[1,4096,8,128]": the first array type after " = ",
+  which reads "bf16[...]{...}", "(bf16[...]{...}, ...)" or, on GPU, "((bf16[...]{...}), ...)"."""
+  found = re.search(r"= \(*([a-z]\w*\[[\d,]*\])", line)
+  return found.group(1) if found else ""
+
+
 def callees(lines) -> list[str]:
   """Names of the computations that these instruction lines call."""
   out = []
@@ -89,8 +114,7 @@ def permute_overlap(hlo: str) -> list[PermuteOverlap]:
   found = []
   for name in sorted(comps):
     lines = comps[name]
-    permutes = [i for i, line in enumerate(lines)
-                if " collective-permute(" in line or " collective-permute-start(" in line]
+    permutes = [i for i, line in enumerate(lines) if is_permute(line)]
     if not permutes:
       continue
     kernel_at = [i for i, line in enumerate(lines) if runs_kernel(comps, line)]
@@ -98,14 +122,12 @@ def permute_overlap(hlo: str) -> list[PermuteOverlap]:
       continue
     for i in permutes:
       line = lines[i]
-      start = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) =", line).group(1)
-      # the start's type: "(bf16[...]{...}, ...)", or "((bf16[...]{...}), ...)" on GPU
-      shape = re.search(r"= \(*([a-z]\w*\[[\d,]*\])", line)
+      start = instruction_name(line)
       done = i if " collective-permute(" in line else next(
           (j for j, other in enumerate(lines)
            if re.search(rf"collective-permute-done\(.*%{re.escape(start)}\)", other)),
           len(lines))
-      found.append(PermuteOverlap(name, start, shape.group(1) if shape else "",
+      found.append(PermuteOverlap(name, start, transferred_shape(line),
                                   any(i < k < done for k in kernel_at)))
   return found
 

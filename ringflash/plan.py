@@ -106,10 +106,8 @@ def _permutes_per_loop_body(text: str) -> list[int]:
   Asynchronous permutes are counted by their start, synchronous ones as they are.
   """
   comps, _ = hlo.computations(text)
-  bodies = {m for lines in comps.values() for line in lines
-            for m in re.findall(r"\bbody=%?([\w.\-]+)", line)}
-  counts = [sum(bool(re.search(r" collective-permute(?:-start)?\(", line)) for line in lines)
-            for name, lines in comps.items() if name in bodies]
+  bodies = hlo.loop_bodies(comps)
+  counts = [sum(map(hlo.is_permute, lines)) for name, lines in comps.items() if name in bodies]
   return [c for c in counts if c]
 
 

@@ -31,9 +31,8 @@ def schedule(text: str) -> list[str]:
       if not (op.startswith(("collective-", "all-", "send", "recv")) or op == "while"
               or hlo.runs_kernel(comps, line)):
         continue
-      inst = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) =", line)
       target = re.search(r'custom_call_target="([^"]+)"', line)
-      events.append(f"{inst.group(1) if inst else '?'}:{op}"
+      events.append(f"{hlo.instruction_name(line) or '?'}:{op}"
                     + (f"[{target.group(1)}]" if target else ""))
     if events:
       out.append(f"  {name} ({len(lines)} instructions): " + " | ".join(events))

@@ -114,14 +114,11 @@ def test_each_transfer_is_one_array_and_dkdv_go_home_in_the_input_dtype():
   their last hop home."""
   per_chip, kv_heads = 4096, 8
   comps, _ = hlo_text.computations(_schedule("v5p:2x2x2", per_chip, kv_heads))
-  bodies = {m for lines in comps.values() for line in lines
-            for m in re.findall(r"\bbody=%?([\w.\-]+)", line)}
+  bodies = hlo_text.loop_bodies(comps)
   moved = {"loop": [], "after": []}
   for name, lines in comps.items():
-    for line in lines:
-      if re.search(r" collective-permute(?:-start)?\(", line):
-        shape = re.search(r"= \(*([a-z]\w*\[[\d,]*\])", line).group(1)
-        moved["loop" if name in bodies else "after"].append(shape)
+    for line in filter(hlo_text.is_permute, lines):
+      moved["loop" if name in bodies else "after"].append(hlo_text.transferred_shape(line))
   pair = f"[2,1,{per_chip},{kv_heads},{H}]"      # [k or dk, v or dv] of one block
   # forward loop: k+v; backward loop: dk+dv, k+v (positions are computed, not sent)
   assert sorted(moved["loop"]) == sorted([f"bf16{pair}", f"f32{pair}", f"bf16{pair}"]), moved
