@@ -25,7 +25,10 @@ Modes (--mode):
 
 FLOP convention (FlashAttention): forward 4 * B * N * T * S * H, halved when causal;
 forward+backward = 3.5x forward. Time: median of --iters calls after --warmup calls, wall
-clock around block_until_ready.
+clock around block_until_ready. In the kernels mode the implementations of a row take turns:
+each round times one call of each, in an order that rotates between rounds, so that a drift
+of the device's clock falls on all of them alike; the ratio to cuDNN is the median of the
+rounds' ratios.
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ def define_flags() -> None:
   flags.DEFINE_list("impls", ["ringflash", "cudnn", "xla"], "implementations")
   flags.DEFINE_integer("xla_max_len", 16384, "skip the xla backend above this T")
   flags.DEFINE_list("gqa_seq_lens", ["16384"], "sequence lengths of the GQA rows")
-  flags.DEFINE_integer("warmup", 2, "untimed calls")
-  flags.DEFINE_integer("iters", 5, "timed calls (median)")
+  flags.DEFINE_integer("warmup", 2, "untimed calls (kernels mode: at least one, the compile)")
+  flags.DEFINE_integer("iters", 5, "timed calls (median); kernels mode: rounds")
   flags.DEFINE_list("ring_sizes", ["2", "4", "8"], "virtual: ring steps P")
   flags.DEFINE_string("out", "bench_out", "folder for JSON and PNG")
   flags.DEFINE_bool("backward", True, "also time forward+backward")
@@ -98,6 +101,40 @@ def _time(fn, *args):
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
   return statistics.median(times)
+
+
+def _time_in_turns(calls):
+  """Times several implementations of one computation in turns.
+
+  calls: {name: (fn, args)}. Each is called max(--warmup, 1) times untimed; one that raises
+  there is left out, with its error. Then --iters rounds each time one call of every
+  remaining implementation, round r starting at the (r mod count)-th. Returns
+  ({name: [seconds per round]}, {name: error text}).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  names, errors = [], {}
+  for name, (fn, args) in calls.items():
+    try:
+      for _ in range(max(FLAGS.warmup, 1)):
+        jax.block_until_ready(fn(*args))
+      names.append(name)
+    except (RuntimeError, ValueError, NotImplementedError) as err:
+      # One implementation failing (e.g. cuDNN unavailable) must not hide the others.
+      errors[name] = f"{type(err).__name__}: {str(err)[:200]}"
+  times = {name: [] for name in names}
+  for r in range(FLAGS.iters):
+    for j in range(len(names)):
+      name = names[(r + j) % len(names)]
+      fn, args = calls[name]
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[name].append(time.perf_counter() - t0)
+  return times, errors
+
+
+def _ratio_by_round(ours, theirs):
+  """Our throughput over theirs: the median over rounds of their time over ours."""
+  return statistics.median(t / o for o, t in zip(ours, theirs, strict=True))
 
 
 def _inputs(b, t, n, kh, h):
@@ -147,19 +184,20 @@ def _run_kernels(mesh):
         q, k, v, do = _inputs(FLAGS.batch, t, FLAGS.heads, kh, FLAGS.head_dim)
         flops = _flops(FLAGS.batch, FLAGS.heads, t, t, FLAGS.head_dim, causal)
         row = {"T": t, "N": FLAGS.heads, "K": kh, "H": FLAGS.head_dim, "causal": causal}
-        for impl in FLAGS.impls:
-          if impl == "xla" and t > FLAGS.xla_max_len:
-            continue
-          fwd, fwd_bwd = _attention_fns(impl, causal, mesh)
-          try:
-            tf = _time(fwd, q, k, v)
-            row[f"{impl}_fwd"] = flops / tf / 1e12
-            if FLAGS.backward:
-              tb = _time(fwd_bwd, q, k, v, do)
-              row[f"{impl}_fwdbwd"] = 3.5 * flops / tb / 1e12
-          except (RuntimeError, ValueError, NotImplementedError) as err:
-            # One implementation failing (e.g. cuDNN unavailable) must not hide the others.
-            row[f"{impl}_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        impls = [i for i in FLAGS.impls if not (i == "xla" and t > FLAGS.xla_max_len)]
+        fns = {impl: _attention_fns(impl, causal, mesh) for impl in impls}
+        passes = [("fwd", 0, (q, k, v), 1.0)]
+        if FLAGS.backward:
+          passes.append(("fwdbwd", 1, (q, k, v, do), 3.5))
+        for what, which, args, factor in passes:
+          times, errors = _time_in_turns({i: (fns[i][which], args) for i in impls
+                                          if f"{i}_error" not in row})
+          for impl, err in errors.items():
+            row[f"{impl}_error"] = err
+          for impl, ts in times.items():
+            row[f"{impl}_{what}"] = factor * flops / statistics.median(ts) / 1e12
+          if "ringflash" in times and "cudnn" in times:
+            row[f"{what}_ratio"] = _ratio_by_round(times["ringflash"], times["cudnn"])
         rows.append(row)
         _print_row(row)
   return rows
@@ -170,15 +208,15 @@ def _print_row(row):
     x = row.get(key)
     return f"{x:7.1f}" if isinstance(x, float) else "      -"
 
-  def ratio(a, b):
-    x, y = row.get(a), row.get(b)
-    return f"{x / y:5.2f}x" if isinstance(x, float) and isinstance(y, float) else "    -"
+  def ratio(what):
+    x = row.get(f"{what}_ratio")
+    return f"{x:5.2f}x" if isinstance(x, float) else "    -"
 
   print(f"T={row['T']:>6} N={row['N']:>2} K={row['K']:>2} causal={str(row['causal']):<5} | "
         f"fwd ours {get('ringflash_fwd')} cudnn {get('cudnn_fwd')} xla {get('xla_fwd')} "
-        f"ratio {ratio('ringflash_fwd', 'cudnn_fwd')} | fwd+bwd ours "
+        f"ratio {ratio('fwd')} | fwd+bwd ours "
         f"{get('ringflash_fwdbwd')} cudnn {get('cudnn_fwdbwd')} xla {get('xla_fwdbwd')} "
-        f"ratio {ratio('ringflash_fwdbwd', 'cudnn_fwdbwd')}", flush=True)
+        f"ratio {ratio('fwdbwd')}", flush=True)
   for key, val in row.items():
     if key.endswith("_error"):
       print(f"    {key}: {val}", flush=True)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -80,3 +81,42 @@ def test_layouts_mode_uses_tiles_the_backend_accepts(backend, platform, kind):
                           blocks=base.BlockSizes(), q_len=tl,
                           kv_len=tl, n=16, kh=16, h=128, dtype=jnp.bfloat16)
     assert spec.block_q <= default.block_q and spec.block_k <= default.block_k
+
+
+def test_implementations_take_turns_and_a_failing_one_is_left_out(monkeypatch):
+  from ringflash import bench
+  monkeypatch.setattr(bench, "FLAGS", types.SimpleNamespace(warmup=0, iters=4))
+  log = []
+
+  def call(name):
+    def fn():
+      log.append(name)
+      if name == "bad":
+        raise RuntimeError("no such library")
+      return 0.0
+    return fn, ()
+
+  times, errors = bench._time_in_turns({n: call(n) for n in ("a", "bad", "b", "c")})
+  assert errors == {"bad": "RuntimeError: no such library"}
+  assert sorted(times) == ["a", "b", "c"] and all(len(t) == 4 for t in times.values())
+  # one untimed call each (the compile) even with --warmup=0, then rotating rounds
+  assert log == ["a", "bad", "b", "c"] + ["a", "b", "c", "b", "c", "a", "c", "a", "b",
+                                          "a", "b", "c"]
+
+
+def test_ratio_is_the_median_of_the_rounds_ratios():
+  from ringflash import bench
+  # round ratios 2.0, 0.5, 1.5: the median 1.5, not the ratio of the medians (1.0)
+  assert bench._ratio_by_round([1.0, 2.0, 2.0], [2.0, 1.0, 3.0]) == 1.5
+  with pytest.raises(ValueError):
+    bench._ratio_by_round([1.0, 2.0], [1.0])
+
+
+def test_kernels_mode_keeps_other_implementations_when_one_fails(tmp_path):
+  out = _bench(tmp_path, "--mode=kernels", "--seq_lens=128", "--gqa_seq_lens=128",
+               "--causal=true", "--impls=ringflash,cudnn,xla", devices=1)
+  rows = json.load(open(tmp_path / "bench_kernels.json"))["rows"]
+  assert len(rows) == 1 and "cudnn_error" in rows[0]
+  assert rows[0]["ringflash_fwd"] > 0 and rows[0]["xla_fwdbwd"] > 0
+  assert "fwd_ratio" not in rows[0]       # no cuDNN on CPU: no ratio to it
+  assert "cudnn_error" in out
