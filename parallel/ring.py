@@ -113,10 +113,7 @@ def _pieces(kv, parts: int):
 
 def _packed(piece):
   """(k, v, kv_seg) -> (kv [2, B, S, K, H], kv_seg): K and V travel as one array, so each
-  step's bulk transfer is one collective-permute. XLA's GPU scheduler keeps few collectives
-  in flight at once (one by default): with K and V as two permutes, only one of them
-  overlapped the kernel and the other ran alone (seen in the compiled program on two
-  H200s)."""
+  step's bulk transfer is one collective-permute (module docstring, "Transfers")."""
   k, v, kv_seg = piece
   return jnp.stack([k, v]), kv_seg
 

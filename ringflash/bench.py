@@ -91,16 +91,18 @@ def _flops(b, n, t, s, h, causal):
   return f / 2 if causal else f
 
 
-def _time(fn, *args):
+def _seconds(fn, *args):
+  """Wall-clock seconds of one call of fn, up to block_until_ready of its result."""
   import jax  # pylint: disable=g-import-not-at-top
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  return time.perf_counter() - t0
+
+
+def _time(fn, *args):
   for _ in range(FLAGS.warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(FLAGS.iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+    _seconds(fn, *args)
+  return statistics.median(_seconds(fn, *args) for _ in range(FLAGS.iters))
 
 
 def _time_in_turns(calls):
@@ -111,12 +113,11 @@ def _time_in_turns(calls):
   remaining implementation, round r starting at the (r mod count)-th. Returns
   ({name: [seconds per round]}, {name: error text}).
   """
-  import jax  # pylint: disable=g-import-not-at-top
   names, errors = [], {}
   for name, (fn, args) in calls.items():
     try:
       for _ in range(max(FLAGS.warmup, 1)):
-        jax.block_until_ready(fn(*args))
+        _seconds(fn, *args)
       names.append(name)
     except (RuntimeError, ValueError, NotImplementedError) as err:
       # One implementation failing (e.g. cuDNN unavailable) must not hide the others.
@@ -126,9 +127,7 @@ def _time_in_turns(calls):
     for j in range(len(names)):
       name = names[(r + j) % len(names)]
       fn, args = calls[name]
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times[name].append(time.perf_counter() - t0)
+      times[name].append(_seconds(fn, *args))
   return times, errors
 
 
@@ -492,9 +491,7 @@ def _run_longest():
            "fits": limit is None or need <= limit, "seconds": None}
     if row["fits"] and t <= FLAGS.run_max_len:
       q, k, v, do = _sharded_inputs(mesh, b, t, n, kh, h)
-      t0 = time.perf_counter()
-      jax.block_until_ready(compiled(q, k, v, do))
-      row["seconds"] = time.perf_counter() - t0
+      row["seconds"] = _seconds(compiled, q, k, v, do)
       row["fwdbwd_tflops"] = 3.5 * _flops(b, n, t, t, h, True) / p / row["seconds"] / 1e12
       del q, k, v, do
     rows.append(row)
