@@ -19,7 +19,19 @@ Positions are int32 global token indices ([T] and [S]); segment ids are int [B, 
 [B, S] or None (no document masking). A layout only changes which positions a device holds:
 every mask here is a function of (q_pos, k_pos, q_seg, k_seg) and nothing else.
 
-This module holds what the backends share: the static spec, tile sizes and the mask.
+Non-finite values, the same on every backend: a NaN or Inf in a position a row attends to
+(its query, or the key or value of a key it sees) makes that row's output non-finite, and
+the gradients that depend on it; one in a position the row does not see never reaches it.
+"No valid key" (o = 0, lse = -inf) is decided by the mask alone, never by a NaN statistic
+(`has_key`). The caller applies `guard_kv` to K/V once before forward kernels and
+`guard_backward` once before backward kernels (the ring does, before its pieces travel);
+the kernels then only need `where` masks (never a product) between masked pairs and their
+scores, and "no key" taken from the running max and sum.
+
+A backend module also has NAME, `unsupported(problem)` (why it cannot run a call: None if it
+can) and `resolve_tiles(block_sizes, problem)` (its tile configuration, kernels/tiles.py,
+with every size resolved). This module holds what the backends share: the problem and spec,
+the mask rules, tile skipping tests and the non-finite guards.
 """
 
 from __future__ import annotations
@@ -32,23 +44,39 @@ from jax import lax
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Tile sizes of a kernel: `block_q` query rows by `block_k` key rows.
+class Problem:
+  """What a backend is asked to compute on each device, static: the facts its capability
+  check and its tile choice read.
 
-  None leaves the choice to the backend's per-hardware default. Each backend checks the
-  sizes it is given against the local lengths and its own tiling rules.
+  Attributes:
+    q_len, kv_len: the runs of query and key rows that tiles must divide (local lengths,
+      halved where a zigzag chunk or a bidirectional half is the unit).
+    head_dim: H.
+    kv_heads: K. group: N // K query heads per kv head.
+    dtype: the inputs' dtype.
+    platform: the devices' platform ("cpu", "gpu", "cuda", "tpu").
+    device_kind: e.g. "TPU v5p", "NVIDIA H200" ("" when unknown).
+    compute_capability: a GPU's "9.0", else None.
+    causal, window, segments: the masks in use.
   """
 
-  block_q: int | None = None
-  block_k: int | None = None
+  q_len: int
+  kv_len: int
+  head_dim: int
+  kv_heads: int
+  group: int
+  dtype: jnp.dtype
+  platform: str
+  device_kind: str = ""
+  compute_capability: str | None = None
+  causal: bool = False
+  window: tuple[int, int] | None = None
+  segments: bool = False
 
-  def __post_init__(self):
-    for name in ("block_q", "block_k"):
-      value = getattr(self, name)
-      if value is None:
-        continue
-      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"block_sizes.{name} must be a positive int or None, got {value!r}")
+  @property
+  def interpret(self) -> bool:
+    """Pallas kernels run in interpret mode on CPU devices."""
+    return self.platform == "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +86,9 @@ class KernelSpec:
   Attributes:
     scale: multiplier of q.k before the softmax.
     causal: mask key positions greater than the query position.
-    block_q: query rows per tile (resolved: an int dividing the local query length).
-    block_k: key rows per tile (resolved: an int dividing the local key length).
+    tiles: the backend's tile configuration, resolved (every size an int that divides its
+      local length): xla.XlaBlockSizes, pallas_tpu.TpuBlockSizes or
+      pallas_gpu.GpuBlockSizes.
     interpret: run Pallas kernels in interpret mode (set when the devices are CPUs).
     window: None, or (left, right) non-negative ints, jax.nn's `local_window_size`: query
       position i sees key positions j with i - left <= j <= i + right. Example: (3, 2) lets
@@ -68,10 +97,40 @@ class KernelSpec:
 
   scale: float
   causal: bool
-  block_q: int
-  block_k: int
+  tiles: object
   interpret: bool = False
   window: tuple[int, int] | None = None
+
+  @property
+  def block_q(self) -> int:
+    """The forward's query rows per tile (the ring's plan counts tiles of this size)."""
+    return self.tiles.block_q
+
+  @property
+  def block_k(self) -> int:
+    """The forward's key rows per tile."""
+    return self.tiles.block_k
+
+
+def pair_mask(qp, kp, q_seg, k_seg, *, causal: bool, window):
+  """The mask rules, on operands already broadcast against each other (any orientation):
+  bool, or None where no rule applies. Every kernel evaluates its in-tile mask with this.
+
+  causal: k_pos <= q_pos; window (left, right): -right <= q_pos - k_pos <= left, written as
+  differences so no bound leaves int32; segments: equal ids. Example: q_pos 6 with window
+  (3, 2) keeps k_pos 3..8.
+  """
+  valid = None
+  if causal:
+    valid = kp <= qp
+  if window is not None:
+    diff = qp - kp                                             # i - j
+    near = (diff <= window[0]) & (diff >= -window[1])
+    valid = near if valid is None else valid & near
+  if q_seg is not None:
+    same = q_seg == k_seg
+    valid = same if valid is None else valid & same
+  return valid
 
 
 def mask(q_pos, k_pos, q_seg, k_seg, spec: KernelSpec):
@@ -87,17 +146,12 @@ def mask(q_pos, k_pos, q_seg, k_seg, spec: KernelSpec):
   Returns:
     bool [B, tq, tk] ([1, tq, tk] without segment ids): True where the pair is valid.
   """
-  valid = jnp.ones((1, q_pos.shape[0], k_pos.shape[0]), dtype=jnp.bool_)
-  if spec.causal:
-    valid = valid & (k_pos[None, None, :] <= q_pos[None, :, None])
-  if spec.window is not None:
-    left, right = spec.window
-    # i - left <= j <= i + right, written as differences so no bound leaves int32.
-    diff = q_pos[None, :, None] - k_pos[None, None, :]           # i - j
-    valid = valid & (diff <= left) & (diff >= -right)
-  if q_seg is not None:
-    valid = valid & (q_seg[:, :, None] == k_seg[:, None, :])
-  return valid
+  valid = pair_mask(q_pos[None, :, None], k_pos[None, None, :],
+                    None if q_seg is None else q_seg[:, :, None],
+                    None if k_seg is None else k_seg[:, None, :],
+                    causal=spec.causal, window=spec.window)
+  full = jnp.ones((1, q_pos.shape[0], k_pos.shape[0]), dtype=jnp.bool_)
+  return full if valid is None else full & valid
 
 
 def ranges_may_have_work(q_lo, q_hi, k_lo, k_hi, *, causal: bool, window):
@@ -162,6 +216,71 @@ def block_may_have_work(q_pos, k_pos, spec: KernelSpec, q_seg=None, k_seg=None):
         jnp.min(q_seg, axis=1) <= jnp.max(k_seg, axis=1))
     ok = ok & jnp.any(overlap)
   return ok
+
+
+def guard_kv(k, v):
+  """The non-finite rule on keys and values, applied once before any forward kernel.
+
+  A key whose k row or v row holds a NaN or Inf gets k = NaN and v = 0. Its scores are then
+  NaN: a row that sees the key gets NaN through its softmax (the in-tile mask replaces the
+  scores of masked pairs by -inf with a `where`, so a row that does not see it is
+  untouched); and its zero value cannot leak through the product p @ v, where a masked pair
+  has weight exactly 0 and 0 * NaN would be NaN. Elementwise, O(S * H).
+
+  Args:
+    k: [B, S, K, H]; v: [B, S, K, Hv].
+
+  Returns:
+    (k, v) of the same shapes and dtypes.
+  """
+  bad = ~(jnp.all(jnp.isfinite(k), axis=-1) & jnp.all(jnp.isfinite(v), axis=-1))  # [B, S, K]
+  return (jnp.where(bad[..., None], jnp.asarray(jnp.nan, k.dtype), k),
+          jnp.where(bad[..., None], jnp.zeros((), v.dtype), v))
+
+
+def guard_backward(q, k, v, out, dout, lse, dlse=None):
+  """The non-finite rule for the backward kernels, applied once before them.
+
+  Every non-finite entry of q, k, v, out and dout is replaced by 0, so that no product of a
+  backward kernel (p^T dout, ds^T q, ds k, dout v^T, rowsum(dout * out)) carries a NaN into
+  a row or key through a pair of weight 0. What a row saw is carried by its statistics
+  instead: the forward made lse NaN for every row that saw a non-finite query, key or value
+  (guard_kv), and here lse becomes NaN for the rows whose dout (or dlse) is non-finite; then
+  p = exp(s - lse) is NaN on exactly the visible pairs of those rows, which are the
+  gradients that depend on the bad values. A row whose cotangents are all zero contributes
+  nothing, NaN or not (its lse becomes -inf, as for a row without keys): a loss that masks
+  the rows which saw a NaN gets finite, exact gradients. Rows with no valid key keep zero
+  gradients.
+
+  Args:
+    q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], out and dout [B, T, N, Hv],
+    lse [B, N, T] float32 (global), dlse [B, N, T] or None.
+
+  Returns:
+    (q, k, v, out, dout, lse, dlse), guarded.
+  """
+  def zero(x):
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+  def rows(x):                                     # [B, T, N] -> [B, N, T]
+    return x.transpose(0, 2, 1)
+
+  row_bad = rows(~jnp.all(jnp.isfinite(dout), axis=-1))
+  silent = rows(jnp.all(dout == 0, axis=-1))
+  if dlse is not None:
+    row_bad = row_bad | ~jnp.isfinite(dlse)
+    silent = silent & (dlse == 0)
+    dlse = zero(dlse)
+  lse = jnp.where(row_bad & (lse != -jnp.inf), jnp.nan, lse)
+  lse = jnp.where(silent, -jnp.inf, lse)
+  return zero(q), zero(k), zero(v), zero(out), zero(dout), lse, dlse
+
+
+def has_key(m, l):
+  """Whether a row's online softmax met a valid key: its running max left -inf, or its sum
+  is NaN (a NaN score; max reductions on some hardware skip NaN operands). Rows whose every
+  valid score is NaN must not pass for rows without keys."""
+  return (m > -jnp.inf) | jnp.isnan(l)
 
 
 def softmax_delta(out, dout, dlse=None):

@@ -23,36 +23,28 @@ float32 dQ in global memory with a TMA reduce-add. dsT is double-buffered by ste
 a warpgroup writes the buffer of step i + 2 only after passing the barrier of step i + 1,
 which the other warpgroup reaches only after its dQ product of step i has completed.
 
-The query-tile ranges come from pallas_gpu.tile_flags / tile_plan applied to the transposed
+The query-tile ranges come from common.tile_flags / tile_plan applied to the transposed
 flags (key tiles in the role of query tiles): tiles outside [lo, hi) are skipped, tiles in
 the full run [flo, fhi) are computed without a mask. A warpgroup passing a union step outside
 its own range writes a zero dsT (the other warpgroup's dQ product reads it) and computes its
 dQ columns as usual.
 
 Rows with no valid key (lse = -inf) get lse2 = +inf, so that pT = 0 and every gradient of the
-row is exactly 0.
+row is exactly 0; a NaN lse stays NaN (kernels/base.py, guard_backward).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from ringflash.kernels import base
-from ringflash.kernels import pallas_gpu
+from ringflash.kernels import pallas_gpu_common as common
 
-_LOG2E = math.log2(math.e)
 BLOCK = 64        # query rows per step and key rows per compute warpgroup
-HEAD_DIMS = (64, 128)
-
-
-def supports(head_dim: int) -> bool:
-  """Head dims this kernel handles (dK and dV of 64 x H in registers per warpgroup)."""
-  return head_dim in HEAD_DIMS
 
 
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
@@ -60,11 +52,12 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32."""
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
   delta = base.softmax_delta(out, dout, dlse)
-  lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf).astype(jnp.float32)
+  # No key: +inf, so that pT = 0 exactly; NaN (the row saw a NaN value) stays NaN.
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * common.LOG2E).astype(jnp.float32)
   ld = jnp.stack([lse2, delta], axis=2)                       # [B, N, 2, T]
-  work, full = pallas_gpu.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, BLOCK, BLOCK)
+  work, full = common.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, BLOCK, BLOCK)
   # Key tiles in the role of query tiles: per key tile, the query tiles with work.
-  plan = pallas_gpu.tile_plan(jnp.swapaxes(work, -1, -2), jnp.swapaxes(full, -1, -2))
+  plan = common.tile_plan(jnp.swapaxes(work, -1, -2), jnp.swapaxes(full, -1, -2))
   with base.no_vma_check():
     dq, dk, dv = _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan,
                               scale=spec.scale, causal=spec.causal, window=spec.window,
@@ -91,7 +84,7 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
   split = h > 64
   hh = h // 2 if split else h                   # dQ columns per product
   nsplit = h // hh                              # K is stored in nsplit column parts
-  c = float(scale * _LOG2E)
+  c = float(scale * common.LOG2E)
   has_seg = q_seg is not None
   masked = causal or has_seg or window is not None
   use_pos = causal or window is not None
@@ -220,7 +213,7 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
             qseg = plgpu.load(qseg_ref.at[bi, pl.ds(q0, bl)], layout=col, optimized=False)
             ksg = lax.broadcast_in_dim(kseg, (bl, bl), [0])
             qsg = lax.broadcast_in_dim(qseg, (bl, bl), [1])
-          valid = pallas_gpu.in_tile_mask(qp, kp, qsg, ksg, causal=causal, window=window)
+          valid = base.pair_mask(qp, kp, qsg, ksg, causal=causal, window=window)
           pt = jnp.where(valid, pt, 0.0)
         pt16 = pt.astype(dtype)
         plgpu.barrier_wait(do_bar.at[slot])
@@ -320,7 +313,7 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
               jax.ShapeDtypeStruct((b, s, kh, h), jnp.float32))
 
   # entry's refs: the inputs, then the dQ accumulator (a Ref), then dK, dV
-  dk, dv = pallas_gpu.warp_specialized(entry, out_type, grid=(kh, s // (2 * bl), b),
+  dk, dv = common.warp_specialized(entry, out_type, grid=(kh, s // (2 * bl), b),
                                        grid_names=("heads", "kv_seq", "batch"))(
       q, k, v, dout, ld, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
       q_seg.astype(jnp.int32), k_seg.astype(jnp.int32), plan, dq_acc)

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ringflash.kernels import base
+from ringflash.kernels.tiles import TpuBlockSizes
 
 NAME = "pallas_tpu"
 
@@ -70,60 +71,76 @@ def _vmem_estimate(bq: int, bk: int, g: int, hk: int, h: int, itemsize: int) -> 
   return blocks + stats + temps + 2 * bk * hk * h * 4  # + dk, dv scratch
 
 
-def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *,
-                        head_dim: int, kv_heads: int, group: int, dtype,
-                        device_kind: str) -> tuple[int, int]:
-  """Tile sizes for local lengths q_len, kv_len (same signature in every backend).
+def unsupported(problem: base.Problem) -> str | None:
+  """Why this backend cannot compute `problem` on its devices (None: it can)."""
+  if problem.platform not in ("tpu", "cpu"):
+    return (f"backend {NAME!r} runs on TPU devices (and, interpreted, on CPU devices), not "
+            f"on {problem.platform!r} devices")
+  return None
 
-  TPU tiling: block_q is a row (sublane) count, a multiple of 8 (16 for 2-byte dtypes) or the
-  whole local query length; block_k is also a lane count (key positions are a [1, bk] row), a
-  multiple of 128 or the whole local key length. Both must divide their lengths. Defaults
-  per TPU generation (keyed by device_kind, e.g. "TPU v5p", "TPU v5 lite", "TPU v6e",
-  "TPU v4"): the largest valid divisor not above the generation's size, with block_q
-  lowered until the tiles fit the generation's VMEM budget: the `group` = N // K query heads
-  of a kv head are stacked into [group * bq, bk] score tiles, so large GQA groups get
-  shorter query tiles (v4, 16 MiB of VMEM, G = 16: bq 64). A block holds the fewest of the
-  `kv_heads` whose lanes fill 128 (two at H = 64, all of them when none divides evenly);
-  when even the smallest query tile does not fit, block_k is lowered too (v4, H = 64, K = 5:
-  bk 256).
+
+def resolve_tiles(given: TpuBlockSizes | None, problem: base.Problem) -> TpuBlockSizes:
+  """Every tile size resolved for `problem` (same signature in every backend).
+
+  Defaults per TPU generation (keyed by device_kind, e.g. "TPU v5p", "TPU v5 lite",
+  "TPU v6e", "TPU v4"): the largest valid divisor not above the generation's size, with
+  block_q lowered until the tiles fit the generation's VMEM budget: the `group` = N // K
+  query heads of a kv head are stacked into [group * bq, bk] score tiles, so large GQA
+  groups get shorter query tiles (v4, 16 MiB of VMEM, G = 16: bq 64). A block holds the
+  fewest of the kv heads whose lanes fill 128 (two at H = 64, all of them when none divides
+  evenly); when even the smallest query tile does not fit, block_k is lowered too (v4,
+  H = 64, K = 5: bk 256). The backward kernels default to the forward's tiles.
 
   Raises:
     ValueError: naming block_sizes, when a given size is not a valid tile of its length.
   """
-  sub = 16 if jnp.dtype(dtype).itemsize == 2 else 8
-  cap_q, cap_k, budget = _generation(device_kind)
+  given = TpuBlockSizes() if given is None else given
+  sub = 16 if jnp.dtype(problem.dtype).itemsize == 2 else 8
+  cap_q, cap_k, budget = _generation(problem.device_kind if not problem.interpret else "")
+  q_len, kv_len = problem.q_len, problem.kv_len
 
-  def check(name, given, length, multiple):
-    if length % given or (given % multiple and given != length):
+  def check(name, length, multiple):
+    value = getattr(given, name)
+    if value is not None and (length % value or (value % multiple and value != length)):
       raise ValueError(
-          f"block_sizes.{name}={given} must divide the local length {length} and be a "
+          f"block_sizes.{name}={value} must divide the local length {length} and be a "
           f"multiple of {multiple} or equal to it (backend {NAME!r}, TPU tiling)")
-    return given
+    return value
 
   def default(length, cap, multiple):
     d = base.largest_divisor_at_most(length, cap, multiple)
     return length if d is None else d
 
-  if block_sizes.block_k is not None:
-    bk = check("block_k", block_sizes.block_k, kv_len, 128)
-  else:
-    bk = default(kv_len, cap_k, 128)
-  if block_sizes.block_q is not None:
-    return check("block_q", block_sizes.block_q, q_len, sub), bk
-  hk = _heads_per_block(kv_heads, head_dim)
-  itemsize = jnp.dtype(dtype).itemsize
-  first_cap_q = cap_q
-  while True:
-    bq = default(q_len, cap_q, sub)
-    if _vmem_estimate(bq, bk, group, hk, head_dim, itemsize) <= budget:
-      return bq, bk
-    if cap_q > sub:
-      cap_q //= 2
-    elif block_sizes.block_k is None and cap_k > 128:
-      cap_k //= 2
-      bk, cap_q = default(kv_len, cap_k, 128), first_cap_q
-    else:
-      return bq, bk      # the smallest tiles; Mosaic reports what still does not fit
+  for name in ("block_q", "block_q_dkv", "block_q_dq"):
+    check(name, q_len, sub)
+  for name in ("block_k", "block_k_dkv", "block_k_dq"):
+    check(name, kv_len, 128)
+  bk = given.block_k if given.block_k is not None else default(kv_len, cap_k, 128)
+  bq = given.block_q
+  if bq is None:
+    hk = _heads_per_block(problem.kv_heads, problem.head_dim)
+    itemsize = jnp.dtype(problem.dtype).itemsize
+    first_cap_q = cap_q
+    while True:
+      bq = default(q_len, cap_q, sub)
+      if _vmem_estimate(bq, bk, problem.group, hk, problem.head_dim, itemsize) <= budget:
+        break
+      if cap_q > sub:
+        cap_q //= 2
+      elif given.block_k is None and cap_k > 128:
+        cap_k //= 2
+        bk, cap_q = default(kv_len, cap_k, 128), first_cap_q
+      else:
+        break      # the smallest tiles; Mosaic reports what still does not fit
+
+  def or_(value, fallback):
+    return fallback if value is None else value
+
+  return TpuBlockSizes(block_q=bq, block_k=bk,
+                       block_q_dkv=or_(given.block_q_dkv, bq),
+                       block_k_dkv=or_(given.block_k_dkv, bk),
+                       block_q_dq=or_(given.block_q_dq, bq),
+                       block_k_dq=or_(given.block_k_dq, bk))
 
 
 def _heads_per_block(num_kv: int, h: int) -> int:
@@ -255,12 +272,12 @@ def _flag_at(flags_ref, b, i, j, bf, nq, nk):
   return flags_ref[(bb * nq + i) * nk + j]
 
 
-def _geometry(q, k, spec):
+def _geometry(q, k):
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   g = n // kh
   hk = _heads_per_block(kh, h)
-  return b, t, s, n, kh, h, g, hk, spec.block_q, spec.block_k
+  return b, t, s, n, kh, h, g, hk
 
 
 def _struct(shape, dtype, like):
@@ -331,8 +348,8 @@ def _fwd_kernel(flags_ref, idx_ref, *refs, t: _Tile, bf, nq, nk):
       m = m_sc[c]                                                 # [G * bq, 1]
       m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
       # A row with no valid key so far keeps m = -inf; it is shifted by 0 so that no
-      # (-inf) - (-inf) appears: its p and alpha are then exactly 0.
-      m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
+      # (-inf) - (-inf) appears: its p and alpha are then exactly 0. NaN stays NaN.
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       p = jnp.exp(s - m_safe)
       alpha = jnp.exp(m - m_safe)
       l_sc[c] = alpha * l_sc[c] + jnp.sum(p, axis=1, keepdims=True)
@@ -346,10 +363,10 @@ def _fwd_kernel(flags_ref, idx_ref, *refs, t: _Tile, bf, nq, nk):
     lse_tile = jnp.zeros(lse_ref.shape, jnp.float32)
     for c in range(t.hk):
       l = l_sc[c]
-      has_key = l > 0.0
-      l_safe = jnp.where(has_key, l, 1.0)
-      o = jnp.where(has_key, acc_sc[c] / l_safe, 0.0)            # [G * bq, H]
-      lse = jnp.where(has_key, m_sc[c] + jnp.log(l_safe), -jnp.inf)
+      ok = base.has_key(m_sc[c], l)
+      l_safe = jnp.where(ok, l, 1.0)
+      o = jnp.where(ok, acc_sc[c] / l_safe, 0.0)                 # [G * bq, H]
+      lse = jnp.where(ok, m_sc[c] + jnp.log(l_safe), -jnp.inf)
       for g in range(t.g):
         rows = slice(g * t.bq, (g + 1) * t.bq)
         o_ref[:, pl.ds((c * t.g + g) * t.h, t.h)] = o[rows]
@@ -359,7 +376,8 @@ def _fwd_kernel(flags_ref, idx_ref, *refs, t: _Tile, bf, nq, nk):
 
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   """Block-pair forward; see kernels/base.py for the contract."""
-  bsz, tq, s, n, kh, h, g, hk, bq, bk = _geometry(q, k, spec)
+  bsz, tq, s, n, kh, h, g, hk = _geometry(q, k)
+  bq, bk = spec.tiles.block_q, spec.tiles.block_k
   nq, nk, nh = tq // bq, s // bk, kh // hk
   has_seg = q_seg is not None
   flags = _tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)   # [Bf, nq, nk]
@@ -415,13 +433,15 @@ def _bwd_tile(t: _Tile, c, valid, q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref):
   do = t.stack_rows(do_ref, c)
   lse = t.stack_col(lse_ref[...], c)                              # [G * bq, 1]
   delta = t.stack_col(d_ref[...], c)
-  row_ok = lse > -jnp.inf
+  row_ok = lse != -jnp.inf              # a NaN lse (the row saw a NaN value) stays NaN
   s = t.scores(q, k_ref[:, kv_lanes])
   # Double where: rows without a key (lse = -inf) and masked pairs get p = 0 exactly, and
-  # exp never sees -inf - -inf.
-  p = jnp.where(valid & row_ok, jnp.exp(s - jnp.where(row_ok, lse, 0.0)), 0.0)
+  # exp never sees -inf - -inf; ds too, so that a NaN D of a row never reaches a key it
+  # does not see.
+  keep = valid & row_ok
+  p = jnp.where(keep, jnp.exp(s - jnp.where(row_ok, lse, 0.0)), 0.0)
   dp = t.mm(do, v_ref[:, kv_lanes], 1, 1)                         # [G * bq, bk]
-  ds = p * (dp - delta)
+  ds = jnp.where(keep, p * (dp - delta), 0.0)
   return p, ds, q, do
 
 
@@ -490,10 +510,9 @@ def _dq_kernel(flags_ref, idx_ref, *refs, t: _Tile, bf, nq, nk):
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
              dlse=None):
   """Block-pair backward from the global out and lse; see kernels/base.py for the contract."""
-  bsz, tq, s, n, kh, h, g, hk, bq, bk = _geometry(q, k, spec)
-  nq, nk, nh = tq // bq, s // bk, kh // hk
+  bsz, tq, s, n, kh, h, g, hk = _geometry(q, k)
+  nh = kh // hk
   has_seg = q_seg is not None
-  t = _Tile(hk, g, h, bq, bk, spec, has_seg, q.dtype)
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
 
   delta = base.softmax_delta(out, dout, dlse).transpose(0, 2, 1)                # [B, T, N]
@@ -504,14 +523,16 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   q3, do3 = q.reshape(bsz, tq, n * h), dout.reshape(bsz, tq, n * h)
   k3, v3 = k.reshape(bsz, s, kh * h), v.reshape(bsz, s, kh * h)
   q_lanes, kv_lanes, stat_lanes = hk * g * h, hk * h, hk * g
-  vmem = _vmem_estimate(bq, bk, g, hk, h, q.dtype.itemsize)
-
-  flags = _tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)       # [Bf, nq, nk]
-  bf = flags.shape[0]
+  arrays_common = [q3, k3, v3, do3, lse4, delta]
 
   # dk, dv: grid (b, hh, j, i); the query tile index i is reduced, so q, dout and the
   # statistics revisit their last working block on skipped steps. Flags are transposed to
   # [Bf, nk, nq] so that the reduced axis is last, as _fetch_index and _flag_at expect.
+  bq, bk = spec.tiles.block_q_dkv, spec.tiles.block_k_dkv
+  nq, nk = tq // bq, s // bk
+  t = _Tile(hk, g, h, bq, bk, spec, has_seg, q.dtype)
+  flags = _tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)       # [Bf, nq, nk]
+  bf = flags.shape[0]
   flags_t = flags.transpose(0, 2, 1)
   fetch_t = _fetch_index(flags_t)
 
@@ -527,16 +548,22 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   stat_spec = pl.BlockSpec((None, None, bq, stat_lanes),
                            lambda b, hh, j, i, f, x: (b, hh, q_block(b, hh, j, i, f, x), 0))
   dkv_kernel = functools.partial(_dkv_kernel, t=t, bf=bf, nq=nq, nk=nk)
-  arrays = pos_arrays + [q3, k3, v3, do3, lse4, delta]
+  arrays = pos_arrays + arrays_common
   out_shape = [((bsz, s, kh * h), jnp.float32)] * 2
   dk, dv = _call(
       dkv_kernel, (bsz, nh, nk, nq), (flags_t.reshape(-1), fetch_t.reshape(-1)), arrays,
       pos_specs + [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec],
       [kv_spec, kv_spec], out_shape,
-      [pltpu.VMEM((hk, bk, h), jnp.float32)] * 2, spec, vmem, "ringflash_bwd_dkv", refs,
+      [pltpu.VMEM((hk, bk, h), jnp.float32)] * 2, spec,
+      _vmem_estimate(bq, bk, g, hk, h, q.dtype.itemsize), "ringflash_bwd_dkv", refs,
       _cost(4, bsz, tq, s, n, h, spec, arrays, out_shape))
 
   # dq: grid (b, hh, i, j); the key tile index j is reduced.
+  bq, bk = spec.tiles.block_q_dq, spec.tiles.block_k_dq
+  nq, nk = tq // bq, s // bk
+  t = _Tile(hk, g, h, bq, bk, spec, has_seg, q.dtype)
+  flags = _tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)       # [Bf, nq, nk]
+  bf = flags.shape[0]
   fetch = _fetch_index(flags)
 
   def kv_block(b, hh, i, j, flags_ref, idx_ref):
@@ -550,13 +577,14 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
                          lambda b, hh, i, j, f, x: (b, kv_block(b, hh, i, j, f, x), hh))
   stat_spec = pl.BlockSpec((None, None, bq, stat_lanes), lambda b, hh, i, j, *_: (b, hh, i, 0))
   dq_kernel = functools.partial(_dq_kernel, t=t, bf=bf, nq=nq, nk=nk)
-  arrays = pos_arrays + [q3, k3, v3, do3, lse4, delta]
+  arrays = pos_arrays + arrays_common
   out_shape = [((bsz, tq, n * h), jnp.float32)]
   (dq,) = _call(
       dq_kernel, (bsz, nh, nq, nk), (flags.reshape(-1), fetch.reshape(-1)), arrays,
       pos_specs + [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec],
       [q_spec], out_shape,
-      [pltpu.VMEM((hk, g * bq, h), jnp.float32)], spec, vmem, "ringflash_bwd_dq", refs,
+      [pltpu.VMEM((hk, g * bq, h), jnp.float32)], spec,
+      _vmem_estimate(bq, bk, g, hk, h, q.dtype.itemsize), "ringflash_bwd_dq", refs,
       _cost(3, bsz, tq, s, n, h, spec, arrays, out_shape))
 
   return (base.match_vma(dq.reshape(bsz, tq, n, h), *refs),

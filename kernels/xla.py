@@ -8,39 +8,41 @@ contracted against [B, S, K, H] keys directly, so K/V are never repeated in memo
 
 from __future__ import annotations
 
+
 import jax.numpy as jnp
 from jax import lax
 
 from ringflash.kernels import base
+from ringflash.kernels.tiles import XlaBlockSizes
 
 NAME = "xla"
 _DEFAULT_BLOCK = 512
 
 
-def resolve_block_sizes(block_sizes: base.BlockSizes, q_len: int, kv_len: int, *,
-                        head_dim: int, kv_heads: int, group: int, dtype,
-                        device_kind: str) -> tuple[int, int]:
-  """Per-backend tile sizes for local lengths q_len, kv_len (same signature in every backend).
+def unsupported(problem: base.Problem) -> str | None:
+  """Why this backend cannot compute `problem` (None: it can; it computes everything)."""
+  del problem
+  return None
 
-  Defaults: the largest divisor of the length that is at most 512. Given sizes must divide
-  the local lengths.
+
+def resolve_tiles(given: XlaBlockSizes | None, problem: base.Problem) -> XlaBlockSizes:
+  """Every tile size resolved for `problem` (same signature in every backend).
 
   Raises:
     ValueError: naming block_sizes, when a given size does not divide its length.
   """
-  del head_dim, kv_heads, group, dtype, device_kind  # one default for every device here
-  out = []
-  for name, given, length in (("block_q", block_sizes.block_q, q_len),
-                              ("block_k", block_sizes.block_k, kv_len)):
-    if given is None:
-      out.append(base.largest_divisor_at_most(length, _DEFAULT_BLOCK))
-    elif length % given:
-      raise ValueError(
-          f"block_sizes.{name}={given} must divide the local length {length} "
-          f"(backend {NAME!r})")
-    else:
-      out.append(given)
-  return out[0], out[1]
+  given = XlaBlockSizes() if given is None else given
+  sizes = {}
+  for name, length in (("block_q", problem.q_len), ("block_k", problem.kv_len),
+                       ("block_q_bwd", problem.q_len), ("block_k_bwd", problem.kv_len)):
+    value = getattr(given, name)
+    if value is None:
+      value = sizes.get(name[:7]) or base.largest_divisor_at_most(length, _DEFAULT_BLOCK)
+    elif length % value:
+      raise ValueError(f"block_sizes.{name}={value} must divide the local length {length} "
+                       f"(backend {NAME!r})")
+    sizes[name] = value
+  return XlaBlockSizes(**sizes)
 
 
 def _slice(x, start, size, axis):
@@ -51,22 +53,11 @@ def _seg_tile(seg, start, size):
   return None if seg is None else _slice(seg, start, size, 1)
 
 
-def _geometry(q, k, spec: base.KernelSpec):
+def _geometry(q, k, bq: int, bk: int):
   """(B, T, N, H, S, K, G, bq, bk, nq, nk): shapes, group size G = N // K, tiles and counts."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
-  bq, bk = spec.block_q, spec.block_k
   return b, t, n, h, s, kh, n // kh, bq, bk, t // bq, s // bk
-
-
-def _finite_rows(x):
-  """x with non-finite entries zeroed, and float32 [B, rows, K] flags of rows that had any.
-
-  x: [B, rows, K, H]. Used for matmul operands whose rows may be masked for some of the
-  other operand's rows: a masked pair has weight exactly 0, but 0 * NaN is NaN.
-  """
-  ok = jnp.isfinite(x)
-  return jnp.where(ok, x, jnp.zeros_like(x)), jnp.any(~ok, axis=-1).astype(jnp.float32)
 
 
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
@@ -88,7 +79,8 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
 
 def forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   """forward over every tile of the block pair (skipping the empty ones)."""
-  b, t, n, h, s, kh, g, bq, bk, nq, nk = _geometry(q, k, spec)
+  b, t, n, h, s, kh, g, bq, bk, nq, nk = _geometry(q, k, spec.tiles.block_q,
+                                                    spec.tiles.block_k)
   prec = base.matmul_precision(q.dtype)
   q5 = q.reshape(b, t, kh, g, h)
 
@@ -107,23 +99,19 @@ def forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
         m, l, acc = carry                               # [B,K,G,bq], [B,K,G,bq], [B,K,G,bq,H]
         sc = jnp.einsum("bqkgh,bskh->bkgqs", qt, kt, precision=prec,
                         preferred_element_type=jnp.float32) * spec.scale
+        # Masked pairs get -inf by a `where`: a NaN score of a key this row does not see
+        # (kernels/base.py, guard_kv) never reaches it.
         sc = jnp.where(valid[:, None, None], sc, -jnp.inf)
         m_new = jnp.maximum(m, sc.max(axis=-1))
         # A row with no valid key so far keeps m = -inf; shift it by 0 so that no
-        # (-inf) - (-inf) appears: its p and alpha are then exactly 0.
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        # (-inf) - (-inf) appears: its p and alpha are then exactly 0. A NaN max stays NaN.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp(sc - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
         l_new = alpha * l + p.sum(axis=-1)
-        # 0 * NaN = NaN: a non-finite value row would leak through the product into rows
-        # that give it weight 0. Multiply by finite rows only, then poison exactly the rows
-        # that give a non-finite value row positive weight.
-        vt_ok, v_bad = _finite_rows(vt)                 # [B, bk, K, H], [B, bk, K]
-        pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), vt_ok, precision=prec,
+        pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), vt, precision=prec,
                         preferred_element_type=jnp.float32)
-        poisoned = jnp.einsum("bkgqs,bsk->bkgq", p, v_bad) > 0
-        acc_new = jnp.where(poisoned[..., None], jnp.nan, alpha[..., None] * acc + pv)
-        return m_new, l_new, acc_new
+        return m_new, l_new, alpha[..., None] * acc + pv
 
       return lax.cond(jnp.any(valid), compute, lambda c: c, carry)
 
@@ -132,9 +120,9 @@ def forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
             base.filled((b, kh, g, bq), 0.0, refs),
             base.filled((b, kh, g, bq, h), 0.0, refs))
     m, l, acc = lax.fori_loop(0, nk, kv_step, init)
-    has_key = l > 0
-    lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, l, 1.0)), -jnp.inf)
-    o = jnp.where(has_key[..., None], acc / jnp.where(has_key, l, 1.0)[..., None], 0.0)
+    ok = base.has_key(m, l)
+    lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+    o = jnp.where(ok[..., None], acc / jnp.where(ok, l, 1.0)[..., None], 0.0)
     return o.transpose(0, 3, 1, 2, 4), lse              # [B, bq, K, G, H], [B, K, G, bq]
 
   o_tiles, lse_tiles = lax.map(q_tile, jnp.arange(nq))  # [nq, B, bq, K, G, H], [nq, B, K, G, bq]
@@ -169,14 +157,15 @@ def backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
   Outer loop over key tiles (dk, dv of a tile finish in registers of the loop carry), inner
   loop over query tiles accumulating dq into a float32 [B, T, K, G, H] carry.
   """
-  b, t, n, h, s, kh, g, bq, bk, nq, nk = _geometry(q, k, spec)
+  b, t, n, h, s, kh, g, bq, bk, nq, nk = _geometry(q, k, spec.tiles.block_q_bwd,
+                                                    spec.tiles.block_k_bwd)
   prec = base.matmul_precision(q.dtype)
   q5 = q.reshape(b, t, kh, g, h)
   do5 = dout.reshape(b, t, kh, g, h)
   delta = base.softmax_delta(out, dout, dlse).reshape(b, kh, g, t)
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
   lse4 = lse.reshape(b, kh, g, t)
-  row_ok = jnp.isfinite(lse4)
+  row_ok = lse4 != -jnp.inf                  # a NaN lse (the row saw a NaN) stays NaN
   lse_safe = jnp.where(row_ok, lse4, 0.0)
 
   def kv_tile(j, carry):
@@ -185,8 +174,6 @@ def backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
     vt = _slice(v, j * bk, bk, 1)
     kp = _slice(k_pos, j * bk, bk, 0)
     ks = _seg_tile(k_seg, j * bk, bk)
-    kt_ok, _ = _finite_rows(kt)
-    vt_ok, _ = _finite_rows(vt)
 
     def q_step(i, inner):
       dq, dkt, dvt = inner
@@ -197,10 +184,6 @@ def backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
         dq, dkt, dvt = inner
         qt = _slice(q5, i * bq, bq, 1)                  # [B, bq, K, G, H]
         dot = _slice(do5, i * bq, bq, 1)
-        # Products use finite operands only (see _finite_rows); NaN from a valid pair still
-        # reaches the gradients through p and ds, which are exact zeros on masked pairs.
-        qt_ok = jnp.where(jnp.isfinite(qt), qt, jnp.zeros_like(qt))
-        dot = jnp.where(jnp.isfinite(dot), dot, jnp.zeros_like(dot))
         lt = _slice(lse_safe, i * bq, bq, 3)            # [B, K, G, bq]
         okt = _slice(row_ok, i * bq, bq, 3)
         dt = _slice(delta, i * bq, bq, 3)
@@ -210,12 +193,12 @@ def backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
         p = jnp.where(keep, jnp.exp(sc - lt[..., None]), 0.0)          # [B, K, G, bq, bk]
         dvt = dvt + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(v.dtype), dot, precision=prec,
                                preferred_element_type=jnp.float32)
-        dp = jnp.einsum("bqkgh,bskh->bkgqs", dot, vt_ok, precision=prec,
+        dp = jnp.einsum("bqkgh,bskh->bkgqs", dot, vt, precision=prec,
                         preferred_element_type=jnp.float32)
         ds = jnp.where(keep, p * (dp - dt[..., None]), 0.0).astype(q.dtype)
-        dkt = dkt + spec.scale * jnp.einsum("bkgqs,bqkgh->bskh", ds, qt_ok, precision=prec,
+        dkt = dkt + spec.scale * jnp.einsum("bkgqs,bqkgh->bskh", ds, qt, precision=prec,
                                             preferred_element_type=jnp.float32)
-        dq_t = spec.scale * jnp.einsum("bkgqs,bskh->bqkgh", ds, kt_ok, precision=prec,
+        dq_t = spec.scale * jnp.einsum("bkgqs,bskh->bqkgh", ds, kt, precision=prec,
                                        preferred_element_type=jnp.float32)
         dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * bq, bq, 1) + dq_t, i * bq, 1)
         return dq, dkt, dvt

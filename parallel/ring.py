@@ -15,7 +15,7 @@ block. After the last step one more transfer brings each accumulator to the devi
 owns the block: at step s the block of origin (i - s) sits on device i; after step P - 1 it
 sits on device i, with origin i + 1, and the final send i -> i + 1 delivers it home.
 
-Layouts, windows, both directions: the schedule comes from ringflash.layouts.plan_ring, a
+Layouts, windows, both directions: the schedule comes from parallel/plan.py's plan_ring, a
 static plan of "lanes" (streams of K/V pieces, each moving +1 or -1 per step) and of the
 tiles each device computes at each hop (what the kernels skip; a lane past its last useful
 step is neither computed nor sent).
@@ -38,7 +38,7 @@ Transfers: a piece's K and V travel as one array [2, B, S, K, H], and so do its 
 accumulators, so each step's bulk transfer is a single collective-permute. Key positions
 are not sent: each device computes those of the piece it holds from the step index. XLA's GPU
 scheduler keeps one collective in flight by default; with K and V as two permutes only one
-of them overlapped the kernel on two H200s (GPU_COLLECTIVES_IN_FLIGHT below raises the
+of them overlapped the kernel on two H200s (ringflash.options.GPU_XLA_OPTIONS raises the
 limit for the backward, whose K/V and dK/dV transfers are in flight together from P = 3).
 
 Everything carried across steps is float32; the output is cast to the input dtype once.
@@ -51,23 +51,16 @@ a particular kernel.
 from __future__ import annotations
 
 import functools
-from types import ModuleType
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ringflash import layouts
 from ringflash.kernels import base
+from ringflash.kernels import get_backend
+from ringflash.parallel import plan as ring_plan
 from ringflash.parallel.merge import merge
-
-
-# XLA's GPU scheduler keeps at most this option's value of collectives in flight at once
-# (default 1). A backward step has two: the next K/V block goes on while the last step's
-# dK/dV accumulator travels. `ringflash launch local --platform=gpu` sets it in XLA_FLAGS and
-# `ringflash bench` passes it as a compiler option; README.md ("Several GPUs") tells users how.
-GPU_COLLECTIVES_IN_FLIGHT = ("xla_gpu_experimental_parallel_collective_overlap_limit", 2)
 
 
 class Residuals(NamedTuple):
@@ -88,12 +81,12 @@ def _shift_perm(ring_size: int, direction: int = 1):
 
 
 def local_positions(axis_name: str, length: int, layout: str = "contiguous"):
-  """Global positions held by this device: [length] int32 (see ringflash/layouts.py).
+  """Global positions held by this device: [length] int32 (see parallel/plan.py).
 
   Contiguous: device i of the ring holds tokens i * length ... (i + 1) * length - 1.
   """
   ring_size = lax.axis_size(axis_name)
-  return layouts.device_positions(layout, lax.axis_index(axis_name), ring_size, length)
+  return ring_plan.device_positions(layout, lax.axis_index(axis_name), ring_size, length)
 
 
 def _pieces(kv, parts: int):
@@ -121,21 +114,6 @@ def _packed(piece):
 def _unpacked(piece):
   kv, kv_seg = piece
   return kv[0], kv[1], kv_seg
-
-
-def _held_positions(plan, i: int, s, axis_name: str, ring_size: int, length: int, layout: str):
-  """[length / parts] global positions of the piece lane i holds at step s.
-
-  Positions are not sent with their piece: lane i has moved its piece `direction` once per
-  step since step 0, so at step s device d holds the piece of device (d - direction * s) mod P.
-  Contiguous, P = 4, 16 keys per device, one part, lane +1: device 2 at step 1 holds device
-  1's piece, positions 16..31; at step 3 device 3's, 48..63.
-  """
-  lane = plan.lanes[i]
-  origin = (lax.axis_index(axis_name) - lane.direction * s) % ring_size
-  size = length // plan.parts
-  pos = layouts.device_positions(layout, origin, ring_size, length)
-  return lax.slice_in_dim(pos, lane.part * size, (lane.part + 1) * size)
 
 
 def _phases(plan):
@@ -172,29 +150,24 @@ def _run_phases(plan, body, carry):
   return carry
 
 
-def _plan(q, k, spec, ring_size, layout, bidirectional):
-  return layouts.plan_ring(layout, ring_size, q.shape[1], k.shape[1], spec.block_q,
-                           spec.block_k, spec.causal, spec.window, bool(bidirectional))
+def step(o, lse, kernel, spec: base.KernelSpec, q, k, v, q_pos, k_pos, q_seg, k_seg):
+  """One ring step on one device: the kernel on the held block pair, merged into (o, lse).
+
+  o [B, T, N, H] and lse [B, N, T] are the float32 running results; the kernel is any
+  backend module. `ringflash bench --mode virtual|layouts` times this same step.
+  """
+  return merge(o, lse, *kernel.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec))
 
 
-def _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel, layout="contiguous",
-             bidirectional=False):
+def _forward(q, k, v, q_seg, kv_seg, ring: ring_plan.RingSpec):
   b, t, n, h = q.shape
-  plan = _plan(q, k, spec, ring_size, layout, bidirectional)
-  q_pos = local_positions(axis_name, t, layout)
-  pieces = _pieces((k, v, kv_seg), plan.parts)
-  held = functools.partial(_held_positions, plan, axis_name=axis_name, ring_size=ring_size,
-                           length=k.shape[1], layout=layout)
-
+  spec, kernel, axis_name = ring.kernel, get_backend(ring.backend), ring.axis_name
+  plan = ring.plan(t, k.shape[1])
+  q_pos = local_positions(axis_name, t, ring.layout)
   refs = (q, k, v, q_pos, q_seg, kv_seg)
-
-  def empty():
-    return base.filled((b, t, n, h), 0.0, refs), base.filled((b, n, t), -jnp.inf, refs)
-
-  def hop(o, lse, kv, kp):
-    k_, v_, ks = _unpacked(kv)
-    # No conditional here: a dead hop is skipped inside the kernel (see module docstring).
-    return merge(o, lse, *kernel.forward(q, k_, v_, q_pos, kp, q_seg, ks, spec))
+  # The non-finite rule, once, before the pieces travel (kernels/base.py).
+  k, v = base.guard_kv(k, v)
+  pieces = _pieces((k, v, kv_seg), plan.parts)
 
   def body(s, carry, moving, computing):
     o, lse, kvs = carry
@@ -202,30 +175,31 @@ def _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel, layout=
     # independent, so the permutes overlap the kernels.
     nxt = list(kvs)
     for i in moving:
-      nxt[i] = lax.ppermute(kvs[i], axis_name, _shift_perm(ring_size, plan.lanes[i].direction))
+      nxt[i] = lax.ppermute(kvs[i], axis_name,
+                            _shift_perm(ring.ring_size, plan.lanes[i].direction))
     for i in computing:
-      o, lse = hop(o, lse, kvs[i], held(i, s))
+      k_, v_, ks = _unpacked(kvs[i])
+      kp = ring_plan.held_positions(plan, i, s, axis_name, k.shape[1])
+      # No conditional here: a dead hop is skipped inside the kernel (module docstring).
+      o, lse = step(o, lse, kernel, spec, q, k_, v_, q_pos, kp, q_seg, ks)
     return o, lse, tuple(nxt)
 
-  o, lse = empty()
+  init = (base.filled((b, t, n, h), 0.0, refs), base.filled((b, n, t), -jnp.inf, refs))
   kvs = tuple(_packed(pieces[lane.part]) for lane in plan.lanes)
-  o, lse, _ = _run_phases(plan, body, (o, lse, kvs))
+  o, lse, _ = _run_phases(plan, body, init + (kvs,))
   return o.astype(q.dtype), lse
 
 
-def _backward(res: Residuals, dout, dlse, spec, axis_name, ring_size, kernel,
-              layout="contiguous", bidirectional=False):
+def _backward(res: Residuals, dout, dlse, ring: ring_plan.RingSpec):
   q, k, v, out, lse, q_seg, kv_seg = res
-  plan = _plan(q, k, spec, ring_size, layout, bidirectional)
-  q_pos = local_positions(axis_name, q.shape[1], layout)
-  pieces = _pieces((k, v, kv_seg), plan.parts)
-  held = functools.partial(_held_positions, plan, axis_name=axis_name, ring_size=ring_size,
-                           length=k.shape[1], layout=layout)
+  spec, kernel, axis_name = ring.kernel, get_backend(ring.backend), ring.axis_name
+  ring_size = ring.ring_size
+  plan = ring.plan(q.shape[1], k.shape[1])
+  q_pos = local_positions(axis_name, q.shape[1], ring.layout)
   refs = (q, k, v, out, lse, dout, dlse, q_pos, q_seg, kv_seg)
-
-  def grads(kv, kp):
-    k_, v_, ks = _unpacked(kv)
-    return kernel.backward(q, k_, v_, out, lse, dout, q_pos, kp, q_seg, ks, spec, dlse=dlse)
+  # The non-finite rule, once, before the pieces travel (kernels/base.py).
+  q, k, v, out, dout, lse, dlse = base.guard_backward(q, k, v, out, dout, lse, dlse)
+  pieces = _pieces((k, v, kv_seg), plan.parts)
 
   def body(s, carry, moving, computing):
     dq, kvs, dkvs = carry
@@ -234,7 +208,10 @@ def _backward(res: Residuals, dout, dlse, spec, axis_name, ring_size, kernel,
     for i in moving:
       nxt[i] = lax.ppermute(kvs[i], axis_name, _shift_perm(ring_size, plan.lanes[i].direction))
     for i in computing:
-      dq_i, dk_i, dv_i = grads(kvs[i], held(i, s))
+      k_, v_, ks = _unpacked(kvs[i])
+      kp = ring_plan.held_positions(plan, i, s, axis_name, k.shape[1])
+      dq_i, dk_i, dv_i = kernel.backward(q, k_, v_, out, lse, dout, q_pos, kp, q_seg, ks,
+                                         spec, dlse=dlse)
       dq = dq + dq_i
       dkvs[i] = dkvs[i] + jnp.stack([dk_i, dv_i])     # [2, B, S, K, H] float32
     # Each accumulator travels with its piece, leaving only once this step has added to it.
@@ -270,46 +247,33 @@ def _backward(res: Residuals, dout, dlse, spec, axis_name, ring_size, kernel,
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnames=("spec", "axis_name", "ring_size", "kernel",
-                                                     "layout", "bidirectional"))
-def ring_attention_local(q, k, v, q_seg, kv_seg, spec: base.KernelSpec, axis_name: str,
-                         ring_size: int, kernel: ModuleType, layout: str = "contiguous",
-                         bidirectional: bool = False):
+@functools.partial(jax.custom_vjp, nondiff_argnames=("ring",))
+def ring_attention_local(q, k, v, q_seg, kv_seg, ring: ring_plan.RingSpec):
   """Exact attention of local queries against the keys of the whole ring.
 
-  Runs per device inside shard_map (or the caller's shard_map) over `axis_name`.
+  Runs per device inside shard_map (or the caller's shard_map) over `ring.axis_name`.
 
   Args:
     q: [B, T, N, H] this device's queries (T = global length / ring_size).
     k, v: [B, S, K, H] this device's keys and values.
     q_seg: [B, T] int segment ids or None; kv_seg: [B, S] or None.
-    spec: resolved kernel spec.
-    axis_name: the ring's mesh axis.
-    ring_size: number of devices along axis_name.
-    kernel: backend module implementing the kernel contract.
-    layout: "contiguous", "zigzag" or "striped": which global positions this device holds
-      (ringflash/layouts.py); the masks follow the positions.
-    bidirectional: split K/V in two halves travelling in opposite directions (full ring).
+    ring: the static ring spec (kernel spec, backend, axis, size, layout, directions); the
+      masks follow the positions of `ring.layout` (parallel/plan.py).
 
   Returns:
     (out [B, T, N, H] in q's dtype, lse [B, N, T] float32).
   """
-  return _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel, layout,
-                  bidirectional)
+  return _forward(q, k, v, q_seg, kv_seg, ring)
 
 
-def _vjp_fwd(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel, layout="contiguous",
-             bidirectional=False):
-  out, lse = _forward(q, k, v, q_seg, kv_seg, spec, axis_name, ring_size, kernel, layout,
-                      bidirectional)
+def _vjp_fwd(q, k, v, q_seg, kv_seg, ring):
+  out, lse = _forward(q, k, v, q_seg, kv_seg, ring)
   return (out, lse), Residuals(q, k, v, out, lse, q_seg, kv_seg)
 
 
-def _vjp_bwd(spec, axis_name, ring_size, kernel, layout, bidirectional, res: Residuals,
-             cotangents):
+def _vjp_bwd(ring, res: Residuals, cotangents):
   dout, dlse = cotangents
-  dq, dk, dv = _backward(res, dout, dlse, spec, axis_name, ring_size, kernel, layout,
-                         bidirectional)
+  dq, dk, dv = _backward(res, dout, dlse, ring)
   return dq, dk, dv, None, None
 
 

@@ -11,8 +11,10 @@ import numpy as np
 
 from ringflash import layouts
 from ringflash.kernels import BACKENDS
-from ringflash.kernels import get_backend
 from ringflash.kernels import base
+from ringflash.kernels import get_backend
+from ringflash.kernels import tiles
+from ringflash.parallel.plan import RingSpec
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -28,6 +30,7 @@ class Checked:
   layout: str = "contiguous"
   window: tuple[int, int] | None = None
   bidirectional: bool = False
+  return_residual: bool = False
 
 
 def _shape(x, name):
@@ -38,9 +41,18 @@ def _shape(x, name):
   return tuple(shape), jnp.dtype(dtype)
 
 
+def check_flag(name: str, value) -> bool:
+  """A Python (or NumPy) bool, as bool; anything else is a ValueError naming the argument
+  (is_causal="false" must not mean causal)."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+  return bool(value)
+
+
 def check_inputs(query, key, value, *, segment_ids, scale, backend, ring_size: int,
                  local: bool, layout: str = "contiguous", local_window_size=None,
-                 bidirectional: bool = False) -> Checked:
+                 bidirectional: bool = False, is_causal: bool = False,
+                 return_residual: bool = False) -> Checked:
   """Checks shapes, dtypes, options; returns resolved values.
 
   Args:
@@ -59,6 +71,9 @@ def check_inputs(query, key, value, *, segment_ids, scale, backend, ring_size: i
   Raises:
     ValueError: naming the argument, with expected vs got.
   """
+  for name, flag in (("is_causal", is_causal), ("return_residual", return_residual),
+                     ("bidirectional", bidirectional)):
+    check_flag(name, flag)
   (qs, qd), (ks, kd), (vs, vd) = (_shape(query, "query"), _shape(key, "key"),
                                   _shape(value, "value"))
   for name, shape in (("query", qs), ("key", ks), ("value", vs)):
@@ -105,14 +120,13 @@ def check_inputs(query, key, value, *, segment_ids, scale, backend, ring_size: i
                          length_name=f"{name} sequence length" + (
                              f" ({length} per device)" if local else ""))
   window = _check_window(local_window_size, t * scale_t, s * scale_t)
-  if not isinstance(bidirectional, (bool, np.bool_)):
-    raise ValueError(f"bidirectional must be a bool, got {bidirectional!r}")
   local_s = s if local else s // ring_size
   if bidirectional and ring_size > 1 and local_s % 2:
     raise ValueError(f"bidirectional=True splits each device's keys in two halves; the local "
                      f"key length must be even, got {local_s}")
   return Checked(scale=scale, q_seg=q_seg, kv_seg=kv_seg, backend=backend, layout=layout,
-                 window=window, bidirectional=bool(bidirectional))
+                 window=window, bidirectional=bool(bidirectional),
+                 return_residual=bool(return_residual))
 
 
 def _check_window(local_window_size, t: int, s: int):
@@ -141,28 +155,17 @@ def _check_window(local_window_size, t: int, s: int):
   return (int(min(pair[0], t)), int(min(pair[1], s)))
 
 
-def block_units(block_sizes, layout: str, bidirectional: bool, ring_size: int, q_len: int,
-                kv_len: int) -> tuple[int, int]:
-  """The row runs that tiles must not straddle, from LOCAL lengths: (query, key).
+def tile_units(layout: str, bidirectional: bool, ring_size: int, q_len: int,
+               kv_len: int) -> tuple[int, int]:
+  """The runs of rows that tiles must divide, from LOCAL lengths: (query, key).
 
   zigzag: each device's rows are two chunks, so tiles divide the half (local 64 -> 32);
   bidirectional: the keys travel in two halves, so key tiles divide the half.
-
-  Raises:
-    ValueError: naming block_sizes, when a given size does not divide its run.
   """
-  why_q = why_k = None
   if layout == "zigzag":
-    q_len, kv_len = q_len // 2, kv_len // 2
-    why_q = why_k = "zigzag chunk (local length / 2)"
-  elif bidirectional and ring_size > 1:
-    kv_len //= 2
-    why_k = "bidirectional half (local key length / 2)"
-  if isinstance(block_sizes, base.BlockSizes):
-    for name, given, run, why in (("block_q", block_sizes.block_q, q_len, why_q),
-                                  ("block_k", block_sizes.block_k, kv_len, why_k)):
-      if why is not None and given is not None and run % given:
-        raise ValueError(f"block_sizes.{name}={given} must divide the {why} {run}")
+    return q_len // 2, kv_len // 2
+  if bidirectional and ring_size > 1:
+    return q_len, kv_len // 2
   return q_len, kv_len
 
 
@@ -189,78 +192,107 @@ def _check_segments(segment_ids, b, t, s):
   return q_ids, kv_ids
 
 
-def resolve_backend(backend: str, platform: str, device=None) -> str:
-  """The backend to run: `backend` itself, or for "auto" the one native to `platform`.
+# Per platform, the backends "auto" tries, fastest first; it takes the first that supports
+# the call (each backend's `unsupported`; README.md, "Backends", has the table).
+AUTO_ORDER = {"tpu": ("pallas_tpu", "xla"), "gpu": ("pallas_gpu", "xla"), "cpu": ("xla",)}
+
+
+def _major(compute_capability) -> int | None:
+  try:
+    return int(str(compute_capability).split(".")[0])
+  except ValueError:
+    return None
+
+
+def resolve_backend(backend: str, problem: base.Problem) -> str:
+  """The backend to run: `backend` itself, or for "auto" the fastest that supports the call.
 
   "auto" follows the platform of the devices the attention runs on (the mesh's), not
   jax.default_backend(): a CPU host compiling for TPU topology devices gets the TPU kernel.
+  An explicitly named backend never falls back: it runs the call or raises.
+
+  Raises:
+    NotImplementedError: the named backend cannot run `problem` (naming it and the
+      feature).
+    RuntimeError: "auto" on a GPU whose compute capability cannot be read.
   """
   if backend != "auto":
+    reason = get_backend(backend).unsupported(problem)
+    if reason is not None:
+      raise NotImplementedError(reason)
     return backend
-  if platform == "tpu":
-    return "pallas_tpu"
-  if platform in ("gpu", "cuda"):
-    cc = getattr(device, "compute_capability", None)
-    try:
-      major = int(str(cc).split(".")[0])
-    except ValueError:
-      major = 0
-    return "pallas_gpu" if major >= 9 else "xla"
-  return "xla"
+  platform = "gpu" if problem.platform == "cuda" else problem.platform
+  if platform == "gpu" and _major(problem.compute_capability) is None:
+    raise RuntimeError(
+        f"backend='auto' cannot read the compute capability of the GPU ({problem.device_kind!r}"
+        f" reports {problem.compute_capability!r}); name the backend: 'pallas_gpu' (compute "
+        f"capability >= 9.0) or 'xla'")
+  reasons = []
+  for name in AUTO_ORDER.get(platform, ("xla",)):
+    reason = get_backend(name).unsupported(problem)
+    if reason is None:
+      return name
+    reasons.append(reason)
+  raise NotImplementedError("no backend runs this call: " + "; ".join(reasons))
 
 
 def prepare(query, key, value, *, segment_ids, scale, backend: str, block_sizes, is_causal,
             layout: str, local_window_size, bidirectional, ring_size: int, local: bool,
-            platform: str, device):
-  """Everything both entry points do before the ring: check, pick the backend, resolve tiles.
+            axis_name: str, platform: str, device,
+            return_residual: bool = False) -> tuple[Checked, RingSpec]:
+  """Everything both entry points check and resolve before the ring, once.
 
   Args:
     query, key, value, segment_ids, scale, backend, block_sizes, is_causal, layout,
       local_window_size, bidirectional: as the public API takes them.
     ring_size: devices along the ring axis.
     local: the arrays are per-device shards (ring_attention_sharded).
+    axis_name: the ring's mesh axis.
     platform, device: where the attention runs (the mesh's devices).
 
   Returns:
-    (Checked, the backend module, the KernelSpec).
+    (Checked, the RingSpec the ring runs).
 
   Raises:
     ValueError: naming the argument, before any collective.
+    NotImplementedError: the backend cannot run this call.
   """
   checked = check_inputs(query, key, value, segment_ids=segment_ids, scale=scale,
                          backend=backend, ring_size=ring_size, local=local, layout=layout,
-                         local_window_size=local_window_size, bidirectional=bidirectional)
-  kernel = get_backend(resolve_backend(checked.backend, platform, device))
+                         local_window_size=local_window_size, bidirectional=bidirectional,
+                         is_causal=is_causal, return_residual=return_residual)
   per_device = 1 if local else ring_size
-  q_unit, kv_unit = block_units(block_sizes, checked.layout, checked.bidirectional, ring_size,
-                                query.shape[1] // per_device, key.shape[1] // per_device)
-  spec = resolve_spec(
-      kernel, scale=checked.scale, causal=bool(is_causal), block_sizes=block_sizes,
+  q_unit, kv_unit = tile_units(checked.layout, checked.bidirectional, ring_size,
+                               query.shape[1] // per_device, key.shape[1] // per_device)
+  problem = base.Problem(
       q_len=q_unit, kv_len=kv_unit, head_dim=query.shape[3], kv_heads=key.shape[2],
-      group=query.shape[2] // key.shape[2], dtype=query.dtype, platform=platform,
-      device_kind=getattr(device, "device_kind", ""), window=checked.window)
-  return checked, kernel, spec
+      group=query.shape[2] // key.shape[2], dtype=jnp.dtype(query.dtype), platform=platform,
+      device_kind=getattr(device, "device_kind", "") or "",
+      compute_capability=getattr(device, "compute_capability", None),
+      causal=bool(is_causal), window=checked.window, segments=checked.q_seg is not None)
+  name = resolve_backend(checked.backend, problem)
+  spec = resolve_spec(get_backend(name), problem, scale=checked.scale,
+                      block_sizes=block_sizes)
+  ring = RingSpec(kernel=spec, backend=name, axis_name=axis_name, ring_size=ring_size,
+                  layout=checked.layout, bidirectional=checked.bidirectional)
+  return checked, ring
 
 
-def resolve_spec(kernel, *, scale: float, causal: bool, block_sizes, q_len: int, kv_len: int,
-                 head_dim: int, kv_heads: int, group: int, dtype, platform: str,
-                 device_kind: str,
-                 window: tuple[int, int] | None = None) -> base.KernelSpec:
-  """The kernel spec: tile sizes from the backend (its defaults, or the user's, checked).
+def resolve_spec(kernel, problem: base.Problem, *, scale: float,
+                 block_sizes) -> base.KernelSpec:
+  """The kernel spec: the backend's tiles (its defaults, or the user's, checked).
 
-  q_len, kv_len: the runs tiles must divide (local lengths, or block_units of them).
-  kv_heads, group: K and N // K; kernels stacking a group's scores, or several kv heads per
-  block, size tiles by them.
   Pallas backends run in interpret mode when the devices are CPUs.
+
+  Raises:
+    ValueError: naming block_sizes, when it is not the backend's configuration or its
+      sizes do not tile the local lengths.
   """
-  if block_sizes is None:
-    block_sizes = base.BlockSizes()
-  elif not isinstance(block_sizes, base.BlockSizes):
-    raise ValueError(f"block_sizes must be a ringflash.BlockSizes or None, got "
-                     f"{type(block_sizes).__name__}")
-  bq, bk = kernel.resolve_block_sizes(block_sizes, q_len, kv_len, head_dim=head_dim,
-                                      kv_heads=kv_heads, group=group, dtype=jnp.dtype(dtype),
-                                      device_kind=device_kind)
-  interpret = kernel.NAME != "xla" and platform == "cpu"
-  return base.KernelSpec(scale=scale, causal=causal, block_q=bq, block_k=bk,
-                         interpret=interpret, window=window)
+  want = tiles.BY_BACKEND[kernel.NAME]
+  if block_sizes is not None and not isinstance(block_sizes, want):
+    raise ValueError(f"block_sizes must be a ringflash.{want.__name__} or None for backend "
+                     f"{kernel.NAME!r}, got {type(block_sizes).__name__}")
+  resolved = kernel.resolve_tiles(block_sizes, problem)
+  return base.KernelSpec(scale=scale, causal=problem.causal, tiles=resolved,
+                         interpret=kernel.NAME != "xla" and problem.interpret,
+                         window=problem.window)

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 
 import jax
 import numpy as np
 from jax import lax
+from jax.interpreters import ad
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringflash import _validate
-from ringflash.kernels.base import BlockSizes
 from ringflash.parallel.ring import ring_attention_local
 
 
 def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: str = "sp",
                    is_causal: bool = False, scale: float | None = None, segment_ids=None,
                    return_residual: bool = False, backend: str = "auto",
-                   block_sizes: BlockSizes | None = None, layout: str = "contiguous",
+                   block_sizes=None, layout: str = "contiguous",
                    local_window_size: int | tuple[int, int] | None = None,
                    bidirectional: bool = False):
   """Exact attention with the sequence sharded over a ring of devices.
@@ -41,7 +43,8 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
       a query attends only keys of its own segment id.
     return_residual: also return lse [B, N, T] float32.
     backend: "auto" (native kernel of the mesh's devices), "xla", "pallas_tpu", "pallas_gpu".
-    block_sizes: tile sizes for the backend; None for its defaults.
+    block_sizes: the running backend's tile configuration (ringflash.XlaBlockSizes,
+      TpuBlockSizes or GpuBlockSizes); None for its defaults.
     layout: how the sequence axis of every input (and segment ids, and the output) is laid
       out over the ring: "contiguous" (natural order), "zigzag" or "striped" (permute with
       ringflash.to_layout, restore with from_layout; see ringflash/layouts.py). zigzag and
@@ -59,49 +62,139 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
 
   Raises:
     ValueError: on any invalid argument, naming it, before any collective runs.
+    NotImplementedError: the backend cannot run this call (naming it and the feature).
   """
   if mesh is None:
-    mesh = Mesh(np.array(jax.devices()), (axis_name,))
+    mesh = _default_mesh(axis_name)
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-  if axis_name not in mesh.axis_names:
+  if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh; its axes are "
                      f"{tuple(mesh.axis_names)}")
+  batch, heads = _outer_axes(query, mesh, axis_name)
+  options = _Options(axis_name=axis_name, is_causal=is_causal, scale=scale,
+                     return_residual=return_residual, backend=backend,
+                     block_sizes=block_sizes, layout=layout,
+                     local_window_size=_frozen(local_window_size),
+                     bidirectional=bidirectional)
+  try:
+    fn = _program(mesh, batch, heads, options, _types(options))
+  except TypeError:       # an unhashable option: no cache; validation names it
+    fn = functools.partial(_ring_attention, mesh=mesh, batch=batch, heads=heads,
+                           options=options)
+  with _forward_mode_error(query, key, value):
+    return fn(query, key, value, segment_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  """ring_attention's keyword options, as given (validated when traced): part of the key of
+  the cache of compiled programs."""
+
+  axis_name: str
+  is_causal: bool
+  scale: float | None
+  return_residual: bool
+  backend: str
+  block_sizes: object
+  layout: str
+  local_window_size: object
+  bidirectional: bool
+
+
+def _frozen(x):
+  """Lists as tuples, so that equal options hash equal (a window may be given as a list)."""
+  return tuple(_frozen(e) for e in x) if isinstance(x, (list, tuple)) else x
+
+
+def _types(options: _Options):
+  """The types of the options, part of the cache key: 0 == False and 5 == 5.0 in Python,
+  but is_causal=0 and local_window_size=5.0 are errors, not the programs of False and 5."""
+  def of(x):
+    return tuple(of(e) for e in x) if isinstance(x, tuple) else type(x)
+  return tuple(of(getattr(options, f.name)) for f in dataclasses.fields(options))
+
+
+@functools.lru_cache(maxsize=1)
+def _default_mesh(axis_name: str) -> Mesh:
+  return Mesh(np.array(jax.devices()), (axis_name,))
+
+
+@functools.lru_cache(maxsize=64)
+def _program(mesh: Mesh, batch, heads, options: _Options, types):
+  """The jitted program of one set of options on one mesh.
+
+  Eager calls with the same options reuse it: jax.jit traces and compiles once per input
+  shapes and dtypes and then dispatches in microseconds, where an eager shard_map would
+  trace and compile the ring again at every call. At most 64 option sets are kept (least
+  recently used first out); each keeps JAX's own cache of compiled executables. Inside a
+  caller's jit the program is inlined as any jitted function is.
+  """
+  del types           # part of the key only
+  return jax.jit(functools.partial(_ring_attention, mesh=mesh, batch=batch, heads=heads,
+                                   options=options))
+
+
+_FORWARD_MODE = ("ringflash attention supports reverse-mode differentiation (jax.grad, "
+                 "jax.vjp, jax.value_and_grad) only; forward mode (jax.jvp, jax.jacfwd, "
+                 "jax.linearize) is not implemented")
+
+
+@contextlib.contextmanager
+def _forward_mode_error(*arrays):
+  """Forward-mode differentiation is an error that says so: at once when the inputs are
+  jvp tracers, and JAX's own error (raised while it differentiates a custom_vjp) turned
+  into ours where it reaches this frame. (jax.jvp of a caller's jit around the call still
+  gets JAX's message, "can't apply forward-mode autodiff (jvp) to a custom_vjp function".)
+  """
+  if any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(arrays)):
+    raise NotImplementedError(_FORWARD_MODE)
+  try:
+    yield
+  except TypeError as err:
+    if "forward-mode" not in str(err):
+      raise
+    raise NotImplementedError(_FORWARD_MODE) from None
+
+
+def _ring_attention(query, key, value, segment_ids, *, mesh: Mesh, batch, heads,
+                    options: _Options):
+  """ring_attention's body: validate, then the ring under shard_map."""
+  axis_name = options.axis_name
   ring_size = mesh.shape[axis_name]
   device = mesh.devices.flat[0]
-  checked, kernel, spec = _validate.prepare(
-      query, key, value, segment_ids=segment_ids, scale=scale, backend=backend,
-      block_sizes=block_sizes, is_causal=is_causal, layout=layout,
-      local_window_size=local_window_size, bidirectional=bidirectional, ring_size=ring_size,
-      local=False, platform=device.platform, device=device)
-  batch, heads = _outer_axes(query, mesh, axis_name)
+  checked, ring = _validate.prepare(
+      query, key, value, segment_ids=segment_ids, scale=options.scale,
+      backend=options.backend, block_sizes=options.block_sizes, is_causal=options.is_causal,
+      layout=options.layout, local_window_size=options.local_window_size,
+      bidirectional=options.bidirectional, return_residual=options.return_residual,
+      ring_size=ring_size, local=False, axis_name=axis_name, platform=device.platform,
+      device=device)
   _check_divisible(query, key, mesh, batch, heads)
 
   x_spec = P(batch, axis_name, heads, None)
   seg_spec = P(batch, axis_name)
-  local = functools.partial(ring_attention_local, spec=spec, axis_name=axis_name,
-                            ring_size=ring_size, kernel=kernel, layout=checked.layout,
-                            bidirectional=checked.bidirectional)
+  local = functools.partial(ring_attention_local, ring=ring)
   out_specs = (x_spec, P(batch, heads, axis_name))
   # Pallas interpret mode evaluates kernels untyped by mesh axes: it needs check_vma off.
   # It has to be the shard_map's flag: interpret mode evaluates the kernel body when the
   # program is lowered, outside any context the kernel could set while tracing (tried:
   # "dynamic_slice requires varying manual axes to match").
   shard_map = functools.partial(jax.shard_map, mesh=mesh, out_specs=out_specs,
-                                check_vma=not spec.interpret)
+                                check_vma=not ring.kernel.interpret)
   if checked.q_seg is None:
     fn = shard_map(lambda q, k, v: local(q, k, v, None, None), in_specs=(x_spec,) * 3)
     out, lse = fn(query, key, value)
   else:
     fn = shard_map(local, in_specs=(x_spec,) * 3 + (seg_spec,) * 2)
     out, lse = fn(query, key, value, checked.q_seg, checked.kv_seg)
-  return (out, lse) if return_residual else out
+  return (out, lse) if checked.return_residual else out
 
 
 def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool = False,
                            scale: float | None = None, segment_ids=None,
                            return_residual: bool = False, backend: str = "auto",
-                           block_sizes: BlockSizes | None = None, layout: str = "contiguous",
+                           block_sizes=None, layout: str = "contiguous",
                            local_window_size: int | tuple[int, int] | None = None,
                            bidirectional: bool = False):
   """ring_attention on local shards, for use inside the caller's shard_map.
@@ -131,15 +224,30 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
     raise ValueError(f"axis_name {axis_name!r} is not a bound mesh axis here; call "
                      f"ring_attention_sharded inside shard_map over it") from err
   platform, device = _current_platform()
-  checked, kernel, spec = _validate.prepare(
+  checked, ring = _validate.prepare(
       query, key, value, segment_ids=segment_ids, scale=scale, backend=backend,
       block_sizes=block_sizes, is_causal=is_causal, layout=layout,
-      local_window_size=local_window_size, bidirectional=bidirectional, ring_size=ring_size,
-      local=True, platform=platform, device=device)
-  out, lse = ring_attention_local(query, key, value, checked.q_seg, checked.kv_seg, spec=spec,
-                                  axis_name=axis_name, ring_size=ring_size, kernel=kernel,
-                                  layout=checked.layout, bidirectional=checked.bidirectional)
-  return (out, lse) if return_residual else out
+      local_window_size=local_window_size, bidirectional=bidirectional,
+      return_residual=return_residual, ring_size=ring_size, local=True, axis_name=axis_name,
+      platform=platform, device=device)
+  if ring.kernel.interpret and _varying(query):
+    raise ValueError(
+        f"backend {ring.backend!r} runs its Pallas kernels in interpret mode on CPU devices, "
+        f"which cannot check mesh-axis types: call ring_attention_sharded inside "
+        f"jax.shard_map(..., check_vma=False) there (on TPUs and GPUs the default works)")
+  with _forward_mode_error(query, key, value):
+    out, lse = ring_attention_local(query, key, value, checked.q_seg, checked.kv_seg,
+                                    ring=ring)
+  return (out, lse) if checked.return_residual else out
+
+
+def _varying(x) -> bool:
+  """Whether x is typed by the mesh axes it varies over (shard_map with check_vma=True)."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+  return bool(vma)
 
 
 def _current_platform():

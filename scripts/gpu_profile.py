@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ringflash import bench
+from ringflash.cli.bench import harness
 
 
 def _profiler():
@@ -41,8 +41,7 @@ def main(argv):
   mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
   keys = jax.random.split(jax.random.key(0), 4)
   q, k, v, do = (jax.random.normal(key, (1, t, 16, 128), jnp.bfloat16) for key in keys)
-  fns = [bench._attention_fns(impl, causal, mesh)[1]  # pylint: disable=protected-access
-         for impl in ("ringflash", "cudnn")]
+  fns = [harness.attention_fns(impl, causal, mesh)[1] for impl in ("ringflash", "cudnn")]
   for f in fns:                                     # compile and warm up outside the range
     for _ in range(2):
       jax.block_until_ready(f(q, k, v, do))

@@ -63,13 +63,13 @@ def main(argv):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
 
-  from ringflash import bench  # pylint: disable=g-import-not-at-top
+  from ringflash.cli.bench import harness  # pylint: disable=g-import-not-at-top
 
   mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
   keys = jax.random.split(jax.random.key(0), 4)
   q, k, v, do = (jax.random.normal(key, (1, 1024, 4, 128), jnp.bfloat16) for key in keys)
   for causal in (False, True):
-    fwd_bwd = bench._attention_fns("ringflash", causal, mesh)[1]  # pylint: disable=protected-access
+    fwd_bwd = harness.attention_fns("ringflash", causal, mesh)[1]
     jax.block_until_ready(fwd_bwd(q, k, v, do))
   print(f"dumps in {folder}")
   _report(folder)

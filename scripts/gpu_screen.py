@@ -1,6 +1,6 @@
 """A quick screen of the Pallas GPU kernels before a benchmark: forward and gradients of
 ring_attention (backend pallas_gpu, one-GPU mesh) and of cuDNN, each against the fp32 dense
-reference of `ringflash demo` (ringflash/_reference.py), at T = 1024-4096, H = 128, bf16,
+reference of `ringflash demo` (ringflash/reference.py), at T = 1024-4096, H = 128, bf16,
 causal and not, MHA, GQA and MQA.
 
 Passes when, in every case and for each of o, dq, dk and dv, our max abs error is at most
@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import ringflash
-from ringflash import _reference
+from ringflash import reference
 
 CASES = [(2048, 4, 4, False), (2048, 4, 4, True), (4096, 8, 2, True), (1024, 4, 1, False)]
 LIMIT = 3.0
@@ -44,7 +44,7 @@ def main():
         q, k, v, mesh=mesh, is_causal=causal, backend="pallas_gpu"), q, k, v, do)
     cudnn = _with_grads(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="cudnn"), q, k, v, do)
-    ref = _with_grads(lambda q, k, v: _reference.dense_attention(q, k, v, causal, chunk=t),
+    ref = _with_grads(lambda q, k, v: reference.dense_attention(q, k, v, causal, chunk=t),
                       q, k, v, do)
     err_ours = [float(np.max(np.abs(a - r))) for a, r in zip(ours, ref)]
     err_cudnn = [float(np.max(np.abs(a - r))) for a, r in zip(cudnn, ref)]

@@ -5,7 +5,7 @@
 Reads the files `ringflash bench --mode=scaling --hlo_dir=D` writes (or any compiled module's
 text). For every computation that holds a collective, a kernel or a loop, it prints one line
 of `name:op[custom-call target]` events, then each ring permute and whether its transfer spans
-a kernel (ringflash.hlo.permute_overlap). Run 22 of docs/GPU_NOTES.md used it to see which of
+a kernel (ringflash.cli.hlo.permute_overlap). Run 22 of docs/GPU_NOTES.md used it to see which of
 a step's transfers XLA's GPU scheduler left synchronous.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import sys
 
-from ringflash import hlo
+from ringflash.cli import hlo
 
 
 def schedule(text: str) -> list[str]:

@@ -10,6 +10,8 @@ import types
 
 import pytest
 
+import ringflash
+
 
 @pytest.mark.parametrize("mode", ["virtual", "layouts"])
 def test_bench_mode_writes_rows(tmp_path, mode):
@@ -65,51 +67,70 @@ def test_longest_mode_compiles_each_length_and_runs_the_short_ones(tmp_path):
                                                    ("xla", "cpu", "cpu")])
 def test_layouts_mode_uses_tiles_the_backend_accepts(backend, platform, kind):
   """The layouts mode once asked the GPU kernel for 512 x 512 tiles (more shared memory than
-  Hopper has); it now cuts the backend's default tiles to divide the zigzag chunk."""
-  import types
-
+  Hopper has); it now runs the zigzag spec's tiles, which divide the zigzag chunk."""
+  import jax
   import jax.numpy as jnp
 
-  from ringflash import bench
-  from ringflash.kernels import base, get_backend
-  dev = types.SimpleNamespace(platform=platform, device_kind=kind)
+  from ringflash import introspect
+  from ringflash.cli.bench import layouts
+  dev = types.SimpleNamespace(platform=platform, device_kind=kind, compute_capability="9.0")
   for tl in (1536, 16384):
-    spec = bench._layout_spec(get_backend(backend), dev, tl=tl, n=16, kh=16, h=128,
-                              dtype=jnp.bfloat16)
+    q, k, v = (jax.ShapeDtypeStruct((1, tl, 16, 128), jnp.bfloat16) for _ in range(3))
+    spec = layouts.layout_spec(q, k, v, ring_size=4, device=dev, backend=backend).kernel
     assert (tl // 2) % spec.block_q == 0 and (tl // 2) % spec.block_k == 0, spec
-    default = bench._spec(get_backend(backend), dev, causal=True,
-                          blocks=base.BlockSizes(), q_len=tl,
-                          kv_len=tl, n=16, kh=16, h=128, dtype=jnp.bfloat16)
+    default = introspect.ring_spec(q, k, v, ring_size=4, device=dev, is_causal=True,
+                                   backend=backend).kernel
     assert spec.block_q <= default.block_q and spec.block_k <= default.block_k
 
 
-def test_implementations_take_turns_and_a_failing_one_is_left_out(monkeypatch):
-  from ringflash import bench
-  monkeypatch.setattr(bench, "FLAGS", types.SimpleNamespace(warmup=0, iters=4))
+def test_implementations_take_turns_and_a_failing_peer_is_left_out():
+  from ringflash.cli.bench import harness
   log = []
 
   def call(name):
     def fn():
       log.append(name)
-      if name == "bad":
+      if name == "cudnn":
         raise RuntimeError("no such library")
       return 0.0
     return fn, ()
 
-  times, errors = bench._time_in_turns({n: call(n) for n in ("a", "bad", "b", "c")})
-  assert errors == {"bad": "RuntimeError: no such library"}
+  times, errors = harness.time_in_turns({n: call(n) for n in ("a", "cudnn", "b", "c")},
+                                        warmup=0, iters=4)
+  assert errors == {"cudnn": "RuntimeError: no such library"}
   assert sorted(times) == ["a", "b", "c"] and all(len(t) == 4 for t in times.values())
-  # one untimed call each (the compile) even with --warmup=0, then rotating rounds
-  assert log == ["a", "bad", "b", "c"] + ["a", "b", "c", "b", "c", "a", "c", "a", "b",
-                                          "a", "b", "c"]
+  # one untimed call each (the compile) even with warmup=0, then rotating rounds
+  assert log == ["a", "cudnn", "b", "c"] + ["a", "b", "c", "b", "c", "a", "c", "a", "b",
+                                            "a", "b", "c"]
+
+
+@pytest.mark.parametrize("name", ["ringflash", "xla"])
+def test_a_failing_implementation_of_ours_is_an_error(name):
+  from ringflash.cli.bench import harness
+
+  def fails():
+    raise NotImplementedError("backend 'pallas_gpu' supports head_dim in (64, 128, 256)")
+
+  calls = {"cudnn": (lambda: 0.0, ()), name: (fails, ())}
+  with pytest.raises(harness.ImplementationError, match=f"'{name}' failed: NotImplementedError"):
+    harness.time_in_turns(calls, warmup=1, iters=2)
 
 
 def test_ratio_is_the_median_of_the_rounds_ratios():
-  from ringflash import bench
+  from ringflash.cli.bench import harness
   # round ratios 2.0, 0.5, 1.5: the median 1.5, not the ratio of the medians (1.0)
-  assert bench._ratio_by_round([1.0, 2.0, 2.0], [2.0, 1.0, 3.0]) == 1.5
+  assert harness.ratio_by_round([1.0, 2.0, 2.0], [2.0, 1.0, 3.0]) == 1.5
   with pytest.raises(ValueError):
-    bench._ratio_by_round([1.0, 2.0], [1.0])
+    harness.ratio_by_round([1.0, 2.0], [1.0])
+
+
+def test_gpu_compiler_options_follow_the_flag():
+  from ringflash.cli.bench import harness
+  option = harness.OVERLAP_OPTION
+  assert harness.compiler_options("cpu", 2) is None
+  assert harness.compiler_options("gpu") == ringflash.GPU_XLA_OPTIONS
+  assert harness.compiler_options("gpu", 4)[option] == 4
+  assert option not in (harness.compiler_options("gpu", 0) or {})      # XLA's default
 
 
 def test_kernels_mode_keeps_other_implementations_when_one_fails(tmp_path):

@@ -13,8 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 import helpers
 import ringflash
-from ringflash.kernels import KernelSpec, xla
+from ringflash.kernels import KernelSpec, XlaBlockSizes, xla
 from ringflash.parallel import ring_attention_local
+from ringflash.parallel.plan import RingSpec
 
 
 def _collectives(text):
@@ -77,11 +78,11 @@ def test_causal_contiguous_ring_skips_dead_hops(monkeypatch):
   monkeypatch.setattr(xla, "backward_tiles", counting("bwd", xla.backward_tiles))
   mesh = helpers.mesh_of(8)
   q, k, v, dout = helpers.inputs(0, 1, 64, 64, 2, 2, 16, jnp.float32)
-  spec = KernelSpec(scale=0.25, causal=True, block_q=8, block_k=8)
+  spec = KernelSpec(scale=0.25, causal=True, tiles=XlaBlockSizes(8, 8, 8, 8))
+  ring = RingSpec(kernel=spec, backend="xla", axis_name="sp", ring_size=8)
 
   def local(q, k, v):
-    return ring_attention_local(q, k, v, None, None, spec=spec, axis_name="sp", ring_size=8,
-                                kernel=xla)
+    return ring_attention_local(q, k, v, None, None, ring=ring)
 
   fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
                      out_specs=(P(None, "sp"), P(None, None, "sp")))

@@ -1,11 +1,11 @@
-"""ringflash.hlo reads compiled HLO text: which ring-loop K/V permutes are in flight around
+"""ringflash.cli.hlo reads compiled HLO text: which ring-loop K/V permutes are in flight around
 a kernel. Checked on small modules written in the compiled format of each platform."""
 
 from __future__ import annotations
 
 import pytest
 
-from ringflash import hlo
+from ringflash.cli import hlo
 
 KV = "bf16[1,4096,8,128]{3,2,1,0}"
 START = (f"  %collective-permute-start.1 = ({KV}, {KV}, u32[], u32[]) "

@@ -1,16 +1,12 @@
-"""Layouts (zigzag, striped), sliding windows, the bidirectional ring, and the ring's plan.
+"""Layouts (zigzag, striped), sliding windows and the bidirectional ring: the ring's plan,
+the permutes of the compiled program, to_layout / from_layout, and bad arguments.
 
-Every numerical case runs ring_attention on permuted inputs and compares, after from_layout,
-with the dense fp32 oracle in natural order, forward (out, lse) and gradients (dq, dk, dv):
-the contract from_layout(ring(to_layout(q), ...)) == attention(q, ...). One compiled
-forward+backward program per case; the case list covers each layout with causal and
-non-causal masks, with and without segment ids, with MQA, GQA and MHA, at ring sizes 2, 4
-and 8, rather than their full product.
+The numerical cases (each layout, windows, both directions, against the fp32 oracle after
+from_layout, on every backend) are in tests/contract/.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 
@@ -23,148 +19,13 @@ from jax.sharding import PartitionSpec as P
 import helpers
 import oracle
 import ringflash
-from ringflash import hlo as hlo_text
-from ringflash import layouts
+from ringflash.cli import hlo as hlo_text
+from ringflash.cli.demo import print_work_table
 from ringflash.kernels import base
+from ringflash.kernels.tiles import XlaBlockSizes
+from ringflash.parallel import plan as ring_plan
 
 N, H = 4, 32
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  layout: str
-  ring_size: int
-  causal: bool
-  segments: bool
-  kv_heads: int
-  window: int | tuple[int, int] | None = None
-  bidirectional: bool = False
-  seq: int = 128
-  block: int = 8
-  batch: int = 1
-
-  def __str__(self):
-    return (f"{self.layout}-P{self.ring_size}-{'causal' if self.causal else 'full'}"
-            f"{'-seg' if self.segments else ''}-K{self.kv_heads}"
-            f"{f'-w{self.window}' if self.window is not None else ''}"
-            f"{'-bidi' if self.bidirectional else ''}")
-
-
-def _inputs(case: Case):
-  """Natural-order q, k, v, dout, segment ids (or None)."""
-  kq, kk, kv, kd = jax.random.split(jax.random.key(case.seq + case.ring_size), 4)
-  b, t = case.batch, case.seq
-  q = jax.random.normal(kq, (b, t, N, H), jnp.float32)
-  k = jax.random.normal(kk, (b, t, case.kv_heads, H), jnp.float32)
-  v = jax.random.normal(kv, (b, t, case.kv_heads, H), jnp.float32)
-  dout = jax.random.normal(kd, (b, t, N, H), jnp.float32)
-  seg = None
-  if case.segments:
-    # Three packed documents of uneven length per row, cuts not aligned to shards.
-    rng = np.random.default_rng(t)
-    cuts = [np.sort(rng.choice(np.arange(1, t), 2, replace=False)) for _ in range(b)]
-    seg = jnp.asarray(np.stack([np.searchsorted(c, np.arange(t), side="right") for c in cuts]),
-                      jnp.int32)
-  return q, k, v, dout, seg
-
-
-@functools.lru_cache(maxsize=None)
-def _program(case: Case):
-  """The compiled forward+backward of ring_attention for `case`, on layout-ordered inputs."""
-  mesh = helpers.mesh_of(case.ring_size)
-
-  def run(q, k, v, dout, *seg):
-    def attn(q, k, v):
-      return ringflash.ring_attention(
-          q, k, v, mesh=mesh, is_causal=case.causal, segment_ids=seg[0] if seg else None,
-          return_residual=True, backend="xla",
-          block_sizes=ringflash.BlockSizes(case.block, case.block), layout=case.layout,
-          local_window_size=case.window, bidirectional=case.bidirectional)
-
-    (out, lse), vjp = jax.vjp(attn, q, k, v)
-    return (out, lse) + vjp((dout, jnp.zeros_like(lse)))
-
-  q, k, v, dout, seg = _inputs(case)
-  args = tuple(x for x in (q, k, v, dout, seg) if x is not None)
-  return jax.jit(run).lower(*args).compile()
-
-
-@functools.lru_cache(maxsize=None)
-def _ring_natural(case: Case):
-  """(out, lse, dq, dk, dv) of the ring for `case`, mapped back to natural order."""
-  q, k, v, dout, seg = _inputs(case)
-  to = functools.partial(ringflash.to_layout, layout=case.layout, ring_size=case.ring_size)
-  args = tuple(to(x) for x in (q, k, v, dout, seg) if x is not None)
-  out, lse, dq, dk, dv = _program(case)(*args)
-  back = functools.partial(ringflash.from_layout, layout=case.layout, ring_size=case.ring_size)
-  return tuple(np.asarray(x) for x in (back(out), back(lse, axis=2), back(dq), back(dk),
-                                       back(dv)))
-
-
-def _oracle(case: Case):
-  q, k, v, dout, seg = _inputs(case)
-
-  def attn(q, k, v):
-    return oracle.attention(q, k, v, causal=case.causal, q_seg=seg, kv_seg=seg,
-                            window=case.window)
-
-  (out, lse), vjp = jax.vjp(attn, q, k, v)
-  return tuple(np.asarray(x) for x in (out, lse) + vjp((dout, jnp.zeros_like(lse))))
-
-
-# Each layout: causal and not, with and without segment ids, K = 1, 2, 4 (MQA, GQA, MHA),
-# ring sizes 2, 4, 8. T = 16 tokens per device at P = 8 (zigzag chunks of 8 = one tile).
-LAYOUT_CASES = [
-    Case("zigzag", 8, causal=True, segments=False, kv_heads=2),
-    Case("zigzag", 4, causal=False, segments=True, kv_heads=1),
-    Case("zigzag", 2, causal=True, segments=True, kv_heads=4, seq=64, batch=2),
-    Case("striped", 8, causal=False, segments=True, kv_heads=2),
-    Case("striped", 4, causal=True, segments=False, kv_heads=4),
-    Case("striped", 2, causal=True, segments=True, kv_heads=1, seq=64, batch=2),
-    Case("contiguous", 4, causal=True, segments=True, kv_heads=1),
-]
-
-# Windows (T = 128, so 16 tokens per device at P = 8, 32 at P = 4): one shorter than a
-# shard, one spanning several shards on both sides, and windows on the other layouts.
-WINDOW_CASES = [
-    Case("contiguous", 8, causal=True, segments=False, kv_heads=2, window=(5, 0)),
-    Case("contiguous", 8, causal=False, segments=True, kv_heads=1, window=(40, 20)),
-    Case("zigzag", 4, causal=False, segments=False, kv_heads=2, window=10),
-    Case("striped", 4, causal=True, segments=True, kv_heads=2, window=(24, 3)),
-]
-
-BIDI_CASES = [
-    Case("contiguous", 4, causal=True, segments=True, kv_heads=2, bidirectional=True),
-    Case("zigzag", 8, causal=False, segments=True, kv_heads=1, bidirectional=True),
-]
-
-SLOW_CASES = [
-    Case("striped", 8, causal=True, segments=True, kv_heads=2, window=(20, 0),
-         bidirectional=True),
-    Case("contiguous", 8, causal=False, segments=False, kv_heads=2, window=(70, 70)),
-    Case("contiguous", 2, causal=False, segments=False, kv_heads=2, window=3, seq=64),
-    Case("zigzag", 8, causal=True, segments=True, kv_heads=4, window=(12, 0), seq=256,
-         block=16, batch=2),
-]
-
-
-@pytest.mark.parametrize("case", LAYOUT_CASES + WINDOW_CASES + BIDI_CASES, ids=str)
-def test_matches_oracle(case):
-  helpers.check(_ring_natural(case), _oracle(case))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", SLOW_CASES, ids=str)
-def test_matches_oracle_slow(case):
-  helpers.check(_ring_natural(case), _oracle(case))
-
-
-def test_bidirectional_equals_unidirectional():
-  bidi = BIDI_CASES[0]
-  uni = dataclasses.replace(bidi, bidirectional=False)
-  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), _ring_natural(bidi),
-                        _ring_natural(uni)):
-    assert helpers.max_err(a, b) <= 1e-5 * max(1.0, float(np.max(np.abs(b)))), name
 
 
 # ---------------------------------------------------------------------------------------
@@ -214,7 +75,7 @@ def _forward_permutes(ring_size, window, bidirectional, causal=True):
   kv = jax.ShapeDtypeStruct((1, 16 * ring_size, 2, H), jnp.float32)
   fn = jax.jit(lambda q, k, v: ringflash.ring_attention(
       q, k, v, mesh=mesh, is_causal=causal, backend="xla", local_window_size=window,
-      bidirectional=bidirectional, block_sizes=ringflash.BlockSizes(8, 8)))
+      bidirectional=bidirectional, block_sizes=XlaBlockSizes(8, 8)))
   return _executed_permutes(fn.lower(q, kv, kv).compile().as_text())
 
 
@@ -228,14 +89,14 @@ def test_short_window_runs_fewer_permutes():
   assert n_short * 7 == n_full * 1, (n_short, n_full)
   # and never any further than the neighbour: every permute is the shift +1
   assert {pairs for pairs, _ in short} == {_shift_pairs(8, 1)}
-  plan = layouts.plan_ring("contiguous", 8, 16, 16, 8, 8, True, (5, 0))
+  plan = ring_plan.plan_ring("contiguous", 8, 16, 16, 8, 8, True, (5, 0))
   assert plan.transfers == 1
 
 
 def test_window_spanning_shards_runs_only_needed_hops():
   # window (40, 20), 16 per device: the keys of devices d-3..d+2 are needed (d*16 - 40 lies
   # in device d-3, d*16 + 15 + 20 in device d+2): 3 hops +1 and 2 hops -1 instead of 7.
-  plan = layouts.plan_ring("contiguous", 8, 16, 16, 8, 8, False, (40, 20))
+  plan = ring_plan.plan_ring("contiguous", 8, 16, 16, 8, 8, False, (40, 20))
   assert [(lane.direction, lane.first, lane.last) for lane in plan.lanes] == [(1, 0, 3),
                                                                             (-1, 1, 2)]
   assert plan.transfers == 5
@@ -266,10 +127,10 @@ def test_bidirectional_program_permutes_both_ways():
 @pytest.mark.parametrize("local,block_q,block_k", [(64, 8, 8), (64, 16, 4), (32, 4, 16),
                                                    (1024, 128, 128)])
 def test_causal_work_is_balanced(layout, ring_size, local, block_q, block_k):
-  plan = layouts.plan_ring(layout, ring_size, local, local, block_q, block_k, True)
+  plan = ring_plan.plan_ring(layout, ring_size, local, local, block_q, block_k, True)
   work = plan.work_per_device()
   assert np.all(np.abs(work - work.mean()) <= 1.0), work
-  contiguous = layouts.plan_ring("contiguous", ring_size, local, local, block_q, block_k,
+  contiguous = ring_plan.plan_ring("contiguous", ring_size, local, local, block_q, block_k,
                                  True).work_per_device()
   # The same attention: zigzag computes no more tiles in total than contiguous.
   if layout == "zigzag":
@@ -279,8 +140,8 @@ def test_causal_work_is_balanced(layout, ring_size, local, block_q, block_k):
 
 
 def test_work_table_p8():
-  table = layouts.print_work_table(ring_size=8, seq_len=8192, block=128)
-  assert set(table) == set(layouts.LAYOUTS)
+  table = print_work_table(ring_size=8, seq_len=8192, block=128)
+  assert set(table) == set(ring_plan.LAYOUTS)
   assert table["zigzag"].max() == table["zigzag"].mean()
   assert table["striped"].max() == table["striped"].mean()
   assert table["contiguous"].max() / table["contiguous"].mean() > 1.8
@@ -293,9 +154,9 @@ def test_work_table_p8():
 def test_plan_counts_match_the_mask(layout, causal, window):
   # Tiles with a valid pair, found by the kernels' exact mask (base.mask) pair by pair.
   p, local, bq, bk = 4, 32, 4, 8
-  spec = base.KernelSpec(scale=1.0, causal=causal, block_q=bq, block_k=bk, window=window)
-  pos = layouts.layout_positions(layout, p, p * local)
-  plan = layouts.plan_ring(layout, p, local, local, bq, bk, causal, window)
+  spec = base.KernelSpec(scale=1.0, causal=causal, tiles=XlaBlockSizes(bq, bk), window=window)
+  pos = ring_plan.layout_positions(layout, p, p * local)
+  plan = ring_plan.plan_ring(layout, p, local, local, bq, bk, causal, window)
   for d in range(p):
     for e in range(p):
       valid = np.asarray(base.mask(jnp.asarray(pos[d]), jnp.asarray(pos[e]), None, None,
@@ -308,9 +169,9 @@ def test_plan_counts_striped_window_are_conservative():
   # Striped positions are not contiguous, so the range test may keep a tile without valid
   # pairs, never drop one with.
   p, local, bq, bk, window = 4, 32, 4, 4, (6, 0)
-  spec = base.KernelSpec(scale=1.0, causal=True, block_q=bq, block_k=bk, window=window)
-  pos = layouts.layout_positions("striped", p, p * local)
-  plan = layouts.plan_ring("striped", p, local, local, bq, bk, True, window)
+  spec = base.KernelSpec(scale=1.0, causal=True, tiles=XlaBlockSizes(bq, bk), window=window)
+  pos = ring_plan.layout_positions("striped", p, p * local)
+  plan = ring_plan.plan_ring("striped", p, local, local, bq, bk, True, window)
   for d in range(p):
     for e in range(p):
       valid = np.asarray(base.mask(jnp.asarray(pos[d]), jnp.asarray(pos[e]), None, None,
@@ -320,7 +181,7 @@ def test_plan_counts_striped_window_are_conservative():
 
 
 def test_block_may_have_work_window():
-  spec = base.KernelSpec(scale=1.0, causal=False, block_q=4, block_k=4, window=(2, 1))
+  spec = base.KernelSpec(scale=1.0, causal=False, tiles=XlaBlockSizes(4, 4), window=(2, 1))
   q = jnp.arange(10, 14)
   assert not bool(base.block_may_have_work(q, jnp.arange(4, 8), spec))   # 7 < 10 - 2
   assert bool(base.block_may_have_work(q, jnp.arange(5, 9), spec))       # 10 sees 8
@@ -339,10 +200,10 @@ def test_layout_examples():
   np.testing.assert_array_equal(ringflash.to_layout(x, "striped", 2, axis=0),
                                 [0, 2, 4, 6, 1, 3, 5, 7])
   np.testing.assert_array_equal(ringflash.to_layout(x, "contiguous", 2, axis=0), x)
-  np.testing.assert_array_equal(layouts.layout_positions("zigzag", 4, 16)[1], [2, 3, 12, 13])
+  np.testing.assert_array_equal(ring_plan.layout_positions("zigzag", 4, 16)[1], [2, 3, 12, 13])
 
 
-@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+@pytest.mark.parametrize("layout", ring_plan.LAYOUTS)
 @pytest.mark.parametrize("ring_size", [1, 2, 4, 8])
 def test_round_trip(layout, ring_size):
   x = jax.random.normal(jax.random.key(0), (2, 16 * ring_size, 3, 5))
@@ -357,7 +218,7 @@ def test_round_trip(layout, ring_size):
   laid = ringflash.to_layout(lse, layout, ring_size, axis=-1)
   np.testing.assert_array_equal(
       laid[0, 0].reshape(ring_size, -1),
-      layouts.layout_positions(layout, ring_size, 16 * ring_size))
+      ring_plan.layout_positions(layout, ring_size, 16 * ring_size))
   np.testing.assert_array_equal(ringflash.from_layout(laid, layout, ring_size, axis=2), lse)
 
 
@@ -375,7 +236,7 @@ def _call(t=64, ring_size=4, **kw):
 @pytest.mark.parametrize("kw,match", [
     (dict(layout="snake"), "layout"),
     (dict(layout="zigzag", t=36), r"layout.*divisible by 2 \* ring_size = 8"),
-    (dict(layout="zigzag", block_sizes=ringflash.BlockSizes(16, 8)), "block_sizes.block_q"),
+    (dict(layout="zigzag", block_sizes=XlaBlockSizes(16, 8)), "block_sizes.block_q"),
     (dict(local_window_size=-1), "local_window_size"),
     (dict(local_window_size=(3, 2, 1)), "local_window_size"),
     (dict(local_window_size=2.5), "local_window_size"),
@@ -383,7 +244,7 @@ def _call(t=64, ring_size=4, **kw):
     (dict(local_window_size=(4, -2)), "local_window_size"),
     (dict(bidirectional="yes"), "bidirectional"),
     (dict(bidirectional=True, t=36), "bidirectional"),
-    (dict(bidirectional=True, block_sizes=ringflash.BlockSizes(8, 16)),
+    (dict(bidirectional=True, block_sizes=XlaBlockSizes(8, 16)),
      "block_sizes.block_k"),
 ])
 def test_bad_inputs(kw, match):
@@ -405,14 +266,13 @@ def test_bad_layout_arguments():
 
 def test_sharded_entry_with_layout():
   # Inside the caller's shard_map, shards in striped order: device i holds tokens i, i+4, ..
-  case = Case("striped", 4, causal=True, segments=False, kv_heads=2, window=(20, 0))
   mesh = helpers.mesh_of(4)
-  q, k, v, _, _ = _inputs(case)
+  q, k, v, _ = helpers.inputs(0, 1, 128, 128, N, 2, H, jnp.float32)
 
   def body(q, k, v):
     return ringflash.ring_attention_sharded(
         q, k, v, axis_name="sp", is_causal=True, layout="striped", local_window_size=(20, 0),
-        backend="xla", block_sizes=ringflash.BlockSizes(8, 8))
+        backend="xla", block_sizes=XlaBlockSizes(8, 8))
 
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
                              out_specs=P(None, "sp")))

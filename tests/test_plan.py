@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
+import types
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest  # noqa: E402
 
-from ringflash import plan as planner  # noqa: E402
+from ringflash.cli import UsageError  # noqa: E402
+from ringflash.cli import plan as planner  # noqa: E402
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                reason="needs libtpu (the `tpu` extra) for deviceless compile")
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="needs libtpu (the `tpu` extra) for deviceless compile")
 
 
+@needs_libtpu
 def test_plan_reports_memory_fit_and_ring_permutes():
   small = planner.plan("v5e:2x4", batch=1, seq_len=65536, heads=8, kv_heads=2, head_dim=128,
                        dtype="bfloat16", causal=True, mode="train", backend="auto")
@@ -25,8 +30,102 @@ def test_plan_reports_memory_fit_and_ring_permutes():
   assert small["permutes_per_step"] == [1, 2]
   assert small["all_gathers"] == 0
   assert small["fits"] and 0 < small["total"] < small["hbm"]
+  assert small["out_of_memory"] is None
   big = planner.plan("v5e:2x4", batch=1, seq_len=131072, heads=8, kv_heads=2, head_dim=128,
                      dtype="bfloat16", causal=True, mode="train", backend="auto")
   # Twice the tokens per chip: every buffer is linear in the length (measured 2.4x, as the
   # compiler keeps a shrinking share of small buffers on chip); scores would make it 4x.
   assert 1.5 < big["temporaries"] / small["temporaries"] < 3.0
+
+
+@needs_libtpu
+def test_a_plan_the_compiler_cannot_fit_says_which_memory_and_exits_1():
+  # GQA 32/8, d128, causal, 196,608 tokens per chip of v5p:2x2x2: the kernel's prefetched
+  # positions overflow SMEM (the compile fails; it once ended in a traceback).
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  done = subprocess.run(
+      [sys.executable, "-m", "ringflash.cli", "plan", "--topology=v5p:2x2x2",
+       f"--seq_len={196608 * 8}", "--heads=32", "--kv_heads=8", "--head_dim=128", "--causal",
+       "--mode=forward"], env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert "Traceback" not in done.stderr
+  assert "196608 tokens per chip" in done.stdout
+  assert "does not fit: SMEM needs 1.13 MiB of 1.00 MiB available" in done.stdout
+
+
+# The TPU compiler's messages, as libtpu printed them for the plans in the comments.
+_SMEM = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+         "space smem. Used 1.13M of 1.00M smem. Exceeded smem capacity by 129.1K.\n\n"
+         "Program smem requirement 1.13M:\n    scoped            1.13M\n")   # v5p, 196,608/chip
+_HBM = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+        "memory required for HLO temporaries (124.91G) exceeds available HBM (95.73G). HLO "
+        "module: jit__lambda.\nSee https://openxla.org/xla/errors/error_1000 for more "
+        "details.")                                                        # v5p, 1,048,576/chip
+_VMEM = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+         "space vmem. Used 322.06M of 128.00M vmem. Exceeded vmem capacity by 194.06M.")
+# (v5e, TpuBlockSizes(8192, 8192))
+
+
+@pytest.mark.parametrize("message,memory,needed,available", [
+    (_SMEM, "SMEM", 1.13 * 2**20, 2**20),
+    (_HBM, "HBM", 124.91 * 2**30, 95.73 * 2**30),
+    (_VMEM, "VMEM", 322.06 * 2**20, 128 * 2**20),
+    ("Ran out of memory in memory space hbm. Used 130.81G of 95.74G hbm.", "HBM",
+     130.81 * 2**30, 95.74 * 2**30),
+])
+def test_out_of_memory_messages_are_parsed(message, memory, needed, available):
+  oom = planner.parse_out_of_memory(message)
+  assert oom.memory == memory
+  assert oom.needed == round(needed) and oom.available == round(available)
+  assert str(oom).startswith(f"{memory} needs ")
+
+
+def test_other_errors_are_not_out_of_memory():
+  assert planner.parse_out_of_memory("INTERNAL: Mosaic failed to compile TPU kernel") is None
+  assert planner.parse_out_of_memory("Ran out of memory in memory space host.") is None
+  vague = planner.parse_out_of_memory("Ran out of memory in memory space vmem while ...")
+  assert vague.memory == "VMEM" and vague.needed is None
+  assert str(planner.parse_out_of_memory(_SMEM)) == "SMEM needs 1.13 MiB of 1.00 MiB available"
+
+
+def _report(**changes):
+  report = {"topology": "v5p:2x2x2", "chips": 8, "device_kind": "TPU v5", "backend":
+            "pallas_tpu", "tokens_per_chip": 196608, "block_q": 512, "block_k": 512,
+            "hbm": 95 * 2**30, "arguments": 2**30, "temporaries": 2**30, "outputs": 2**30,
+            "total": 3 * 2**30, "fits": True, "permutes_per_step": [1, 2], "all_gathers": 0,
+            "out_of_memory": None}
+  return report | changes
+
+
+@pytest.mark.parametrize("report,status,says", [
+    (_report(), None, "fits (92.00 GiB left)"),
+    (_report(total=96 * 2**30, fits=False), 1, "DOES NOT FIT (1.00 GiB short)"),
+    (_report(fits=False, out_of_memory=planner.parse_out_of_memory(_HBM)), 1,
+     "does not fit: HBM needs 124.91 GiB of 95.73 GiB available"),
+])
+def test_main_exits_1_when_the_plan_does_not_fit(monkeypatch, capsys, report, status, says):
+  flag_values = types.SimpleNamespace(topology="v5p:2x2x2", batch=1, seq_len=196608 * 8,
+                                      heads=32, kv_heads=8, head_dim=128, dtype="bfloat16",
+                                      causal=True, mode="train", backend="auto")
+  monkeypatch.setattr(planner, "FLAGS", flag_values)
+  monkeypatch.setattr(planner, "plan", lambda *args, **kwargs: report)
+  if status is None:
+    planner.main([])
+  else:
+    with pytest.raises(SystemExit) as exit_:
+      planner.main([])
+    assert exit_.value.code == status
+  assert says in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("topology,chips", [("v5p:2x2x2", 8), ("v5e:2x4", 8), ("v4:4x4x8", 128),
+                                            ("v6e:16x16", 256), ("v5p:4x4x8_twisted", 128)])
+def test_topology_names_give_their_chips(topology, chips):
+  assert planner.topology_chips(topology) == chips
+
+
+@pytest.mark.parametrize("topology", ["nonsense", "v5p", "v5p:2x2x0", "v9:2x2x2", "v5p:2",
+                                      "v5p:2x2x2x2", "V5P:2x2x2", "v5p:2x2x2 "])
+def test_malformed_topologies_are_usage_errors(topology):
+  with pytest.raises(UsageError, match="--topology"):
+    planner.topology_chips(topology)

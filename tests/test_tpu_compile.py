@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ringflash  # noqa: E402
-from ringflash import hlo as hlo_text  # noqa: E402
+from ringflash.cli import hlo as hlo_text  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 reason="needs libtpu (the `tpu` extra) for deviceless compile")

@@ -46,7 +46,7 @@ BAD = [
     ("scale-zero", dict(), dict(scale=0.0), "scale"),
     ("scale-type", dict(), dict(scale="1"), "scale"),
     ("backend", dict(), dict(backend="cuda"), "backend"),
-    ("block-divides", dict(), dict(block_sizes=ringflash.BlockSizes(3, 8)), "block_q"),
+    ("block-divides", dict(), dict(block_sizes=ringflash.XlaBlockSizes(3, 8)), "block_q"),
     ("block-type", dict(), dict(block_sizes=(8, 8)), "block_sizes"),
     ("mesh-type", dict(), dict(mesh="sp"), "mesh"),
 ]
@@ -64,11 +64,34 @@ def test_bad_input_raises_value_error_naming_it(case):
   assert fragment in str(info.value)
 
 
-def test_block_sizes_reject_non_positive():
+@pytest.mark.parametrize("cls", [ringflash.XlaBlockSizes, ringflash.TpuBlockSizes,
+                                 ringflash.GpuBlockSizes])
+def test_block_sizes_reject_non_positive(cls):
   with pytest.raises(ValueError, match="block_q"):
-    ringflash.BlockSizes(0, 8)
+    cls(0, 64)
   with pytest.raises(ValueError, match="block_k"):
-    ringflash.BlockSizes(8, -1)
+    cls(64, -1)
+  with pytest.raises(ValueError, match="block_q"):
+    cls(True, 64)
+
+
+def test_block_sizes_of_another_backend_are_rejected_not_ignored():
+  q, key, v = _arrays()
+  with pytest.raises(ValueError, match="block_sizes must be a ringflash.XlaBlockSizes"):
+    ringflash.ring_attention(q, key, v, mesh=helpers.mesh_of(8), backend="xla",
+                             block_sizes=ringflash.TpuBlockSizes(8, 8))
+  with pytest.raises(ValueError, match="block_sizes.block_q=96 must be a multiple of 64"):
+    ringflash.GpuBlockSizes(96, 128)
+
+
+@pytest.mark.parametrize("backend,why", [
+    ("pallas_gpu", "runs on GPUs of compute capability >= 9.0 only"),     # CPU devices
+])
+def test_unsupported_combination_raises_not_implemented_naming_backend(backend, why):
+  q, key, v = _arrays()
+  with pytest.raises(NotImplementedError, match=why) as info:
+    ringflash.ring_attention(q, key, v, mesh=helpers.mesh_of(8), backend=backend)
+  assert backend in str(info.value)
 
 
 def test_errors_come_before_any_collective():
@@ -100,14 +123,57 @@ def test_accepts_numpy_scale_and_integer_scale():
     assert helpers.max_err(out, ref) <= helpers.fp32_tol(ref), s
 
 
-@pytest.mark.parametrize("platform,cc,want", [
-    ("tpu", None, "pallas_tpu"), ("gpu", "9.0", "pallas_gpu"), ("cuda", "10.0", "pallas_gpu"),
-    ("gpu", "8.0", "xla"), ("gpu", None, "xla"), ("cpu", None, "xla")])
-def test_auto_backend_follows_the_devices_platform(platform, cc, want):
+def _problem(platform, cc=None, head_dim=128, dtype=jnp.bfloat16):
+  from ringflash.kernels import base  # pylint: disable=g-import-not-at-top
+  return base.Problem(q_len=1024, kv_len=1024, head_dim=head_dim, kv_heads=4, group=4,
+                      dtype=jnp.dtype(dtype), platform=platform, compute_capability=cc)
+
+
+@pytest.mark.parametrize("platform,cc,head_dim,dtype,want", [
+    ("tpu", None, 128, jnp.bfloat16, "pallas_tpu"),
+    ("gpu", "9.0", 128, jnp.bfloat16, "pallas_gpu"),
+    ("cuda", "10.0", 128, jnp.bfloat16, "pallas_gpu"),
+    ("gpu", "8.0", 128, jnp.bfloat16, "xla"),          # before Hopper: the portable kernel
+    ("gpu", "9.0", 96, jnp.bfloat16, "xla"),           # a call pallas_gpu does not run
+    ("gpu", "9.0", 128, jnp.float32, "xla"),
+    ("cpu", None, 128, jnp.bfloat16, "xla")])
+def test_auto_picks_the_fastest_backend_that_runs_the_call(platform, cc, head_dim, dtype,
+                                                           want):
   from ringflash import _validate  # pylint: disable=g-import-not-at-top
+  problem = _problem(platform, cc, head_dim, dtype)
+  assert _validate.resolve_backend("auto", problem) == want
+  assert _validate.resolve_backend("xla", problem) == "xla"
 
-  class Device:
-    compute_capability = cc
 
-  assert _validate.resolve_backend("auto", platform, Device()) == want
-  assert _validate.resolve_backend("xla", platform, Device()) == "xla"
+def test_a_named_backend_never_falls_back():
+  from ringflash import _validate  # pylint: disable=g-import-not-at-top
+  with pytest.raises(NotImplementedError, match="pallas_gpu.*head_dim"):
+    _validate.resolve_backend("pallas_gpu", _problem("gpu", "9.0", head_dim=96))
+  with pytest.raises(NotImplementedError, match="pallas_tpu.*TPU"):
+    _validate.resolve_backend("pallas_tpu", _problem("gpu", "9.0"))
+
+
+def test_a_gpu_whose_capability_cannot_be_read_is_an_error():
+  from ringflash import _validate  # pylint: disable=g-import-not-at-top
+  with pytest.raises(RuntimeError, match="compute capability"):
+    _validate.resolve_backend("auto", _problem("gpu", None))
+
+
+@pytest.mark.parametrize("flag", ["is_causal", "return_residual", "bidirectional"])
+@pytest.mark.parametrize("value", ["false", 0, 1, None])
+def test_flags_must_be_bools(flag, value):
+  q, key, v = _arrays()
+  with pytest.raises(ValueError, match=f"{flag} must be a bool"):
+    ringflash.ring_attention(q, key, v, mesh=helpers.mesh_of(8), **{flag: value})
+
+
+def test_forward_mode_is_a_clear_error_eager_and_under_jit():
+  q, key, v = _arrays()
+  mesh = helpers.mesh_of(8)
+
+  def f(q):
+    return ringflash.ring_attention(q, key, v, mesh=mesh)
+
+  for run in (lambda: jax.jvp(f, (q,), (q,)), lambda: jax.jit(lambda q: jax.jvp(f, (q,), (q,)))(q)):
+    with pytest.raises(NotImplementedError, match="forward mode"):
+      run()

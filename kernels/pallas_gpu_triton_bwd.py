@@ -1,4 +1,4 @@
-"""Portable backward of the pallas_gpu backend: two Pallas Triton kernels (dq; dk and dv).
+"""The Triton backward of the pallas_gpu backend: two Pallas Triton kernels (dq; dk and dv).
 
 Used where the fused Mosaic GPU backward (kernels/pallas_gpu_mosaic_bwd.py) does not apply:
 head dim 256, key lengths that are not a multiple of 128, and interpret mode on CPU.
@@ -10,10 +10,11 @@ Kernel 1 (grid B x N x T/bq) keeps a dq tile in registers and walks the key tile
 have work; kernel 2 (grid B x K x S/bk) keeps dk, dv of one key tile and walks, for each of
 the G = N / K query heads of its group, the query tiles that may have work: GQA without
 repeating K/V and without per-query-head dk/dv partials. Both use the tile ranges of
-pallas_gpu.tile_flags (base.block_may_have_work on tile ranges) and the exact in-tile mask.
+common.tile_flags (base.block_may_have_work on tile ranges) and the exact in-tile mask.
 
 Rows with no valid key (lse = -inf) get lse = +inf here, so that p = exp(s - inf) = 0 and
-every gradient of the row is exactly 0 with no inf - inf.
+every gradient of the row is exactly 0 with no inf - inf; a NaN lse stays NaN
+(kernels/base.py, guard_backward).
 On CPU the kernels run in Pallas interpret mode.
 """
 
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ringflash.kernels import base
+from ringflash.kernels import pallas_gpu_common as common
 
 
 def _ranges(work):
@@ -36,21 +38,6 @@ def _ranges(work):
   hi = jnp.where(work, ar + 1, 0).max(axis=-1)
   lo = jnp.where(hi > 0, lo, 0)
   return jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
-
-
-def _mask(qpos, kpos, qseg, kseg, causal, window=None):
-  """base.mask for one tile, without the batch axis: bool [bq, bk] or None (all valid)."""
-  valid = None
-  if causal:
-    valid = kpos[None, :] <= qpos[:, None]
-  if window is not None:
-    diff = qpos[:, None] - kpos[None, :]
-    near = (diff <= window[0]) & (diff >= -window[1])
-    valid = near if valid is None else valid & near
-  if qseg is not None:
-    same = qseg[:, None] == kseg[None, :]
-    valid = same if valid is None else valid & same
-  return valid
 
 
 def _dot(a, b):
@@ -73,12 +60,15 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_r
     vt = v_ref[ks, :]
     s = _dot(q, kt.T) * scale                       # [bq, bk]
     p = jnp.exp(s - lse[:, None])
-    valid = _mask(qpos, kpos_ref[ks], qseg, None if kseg_ref is None else kseg_ref[ks],
-                  causal, window)
-    if valid is not None:
-      p = jnp.where(valid, p, 0.0)
+    kseg = None if kseg_ref is None else kseg_ref[ks]
+    valid = base.pair_mask(qpos[:, None], kpos_ref[ks][None, :],
+                           None if qseg is None else qseg[:, None],
+                           None if kseg is None else kseg[None, :], causal=causal, window=window)
     dp = _dot(do, vt.T)
     ds = p * (dp - delta[:, None])
+    if valid is not None:       # masked pairs: exact zeros, also where D is NaN
+      p = jnp.where(valid, p, 0.0)
+      ds = jnp.where(valid, ds, 0.0)
     return dq + _dot(ds.astype(kt.dtype), kt)
 
   lo = rng_ref[0]
@@ -108,13 +98,17 @@ def _dkv_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_
       delta = delta_ref[g, qs]
       s = _dot(qt, kt.T) * scale                    # [bq, bk]
       p = jnp.exp(s - lse[:, None])
-      valid = _mask(qpos_ref[qs], kpos, None if qseg_ref is None else qseg_ref[qs], kseg,
-                    causal, window)
-      if valid is not None:
-        p = jnp.where(valid, p, 0.0)
-      dv = dv + _dot(p.astype(dot_.dtype).T, dot_)
+      qseg = None if qseg_ref is None else qseg_ref[qs]
+      valid = base.pair_mask(qpos_ref[qs][:, None], kpos[None, :],
+                             None if qseg is None else qseg[:, None],
+                             None if kseg is None else kseg[None, :], causal=causal,
+                             window=window)
       dp = _dot(dot_, vt.T)
       ds = p * (dp - delta[:, None])
+      if valid is not None:     # masked pairs: exact zeros, also where D is NaN
+        p = jnp.where(valid, p, 0.0)
+        ds = jnp.where(valid, ds, 0.0)
+      dv = dv + _dot(p.astype(dot_.dtype).T, dot_)
       dk = dk + _dot(ds.astype(qt.dtype).T, qt)
       return dk, dv
 
@@ -128,8 +122,6 @@ def _dkv_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
              dlse=None, block: int = 64):
   """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32."""
-  from ringflash.kernels import pallas_gpu  # pylint: disable=g-import-not-at-top
-
   b, t = q.shape[0], q.shape[1]
   s = k.shape[1]
   bq = bk = block
@@ -138,8 +130,9 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   window = spec.window
 
   delta = base.softmax_delta(out, dout, dlse)
-  lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf).astype(jnp.float32)
-  work, _ = pallas_gpu.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)
+  # No key: +inf, so that p = 0 exactly; NaN (the row saw a NaN value) stays NaN.
+  lse_safe = jnp.where(lse == -jnp.inf, jnp.inf, lse).astype(jnp.float32)
+  work, _ = common.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)
   work = jnp.broadcast_to(work, (b, nq, nk))
   q_rng = _ranges(work)                             # [B, nq, 2] key tiles per query tile
   k_rng = _ranges(work.transpose(0, 2, 1))          # [B, nk, 2] query tiles per key tile

@@ -1,37 +1,23 @@
-"""The kernel contract on one block pair, and the LSE merge, without any mesh."""
+"""The LSE merge (parallel/merge.py), without any mesh. The kernel contract itself, one
+block pair on every backend, is in tests/contract/."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import helpers
 import oracle
-from ringflash.kernels import KernelSpec, xla
+from ringflash.kernels import KernelSpec, XlaBlockSizes, xla
 from ringflash.parallel import merge
-
-
-@pytest.mark.parametrize("q_start,k_start", [(64, 0), (0, 64), (32, 16)])
-def test_forward_on_a_block_pair_at_global_positions(q_start, k_start):
-  q, k, v, _ = helpers.inputs(0, 2, 32, 48, 4, 2, 32, jnp.float32)
-  q_pos = q_start + jnp.arange(32, dtype=jnp.int32)
-  k_pos = k_start + jnp.arange(48, dtype=jnp.int32)
-  spec = KernelSpec(scale=0.2, causal=True, block_q=8, block_k=16)
-  o, lse = jax.jit(xla.forward, static_argnums=7)(q, k, v, q_pos, k_pos, None, None, spec)
-  o_ref, lse_ref = oracle.attention(q, k, v, causal=True, scale=0.2, q_pos=q_pos,
-                                    kv_pos=k_pos)
-  assert o.dtype == jnp.float32 and lse.shape == (2, 4, 32)
-  assert helpers.max_err(o, o_ref) <= 1e-5
-  assert helpers.max_err(lse, lse_ref) <= 1e-5
 
 
 def test_two_block_pairs_merge_into_full_attention():
   """Splitting the keys in two, running the kernel on each half and merging is exact."""
   q, k, v, _ = helpers.inputs(1, 1, 32, 64, 4, 1, 16, jnp.float32)
   pos = jnp.arange(64, dtype=jnp.int32)
-  spec = KernelSpec(scale=0.25, causal=True, block_q=8, block_k=8)
+  spec = KernelSpec(scale=0.25, causal=True, tiles=XlaBlockSizes(8, 8, 8, 8))
   q_pos = 32 + jnp.arange(32, dtype=jnp.int32)
   a = xla.forward(q, k[:, :32], v[:, :32], q_pos, pos[:32], None, None, spec)
   b = xla.forward(q, k[:, 32:], v[:, 32:], q_pos, pos[32:], None, None, spec)
@@ -64,20 +50,3 @@ def test_merge_with_empty_sides_is_exact_and_nan_free():
   grads = jax.grad(f, argnums=(0, 1, 2, 3))(o_a, lse_a, o_b, lse_b)
   for g in grads:
     assert np.all(np.isfinite(np.asarray(g)))
-
-
-def test_backward_on_a_block_pair_matches_autodiff_of_the_oracle():
-  """With the global out and lse of the full problem, two block pairs' gradients add up."""
-  q, k, v, dout = helpers.inputs(2, 1, 32, 64, 4, 2, 16, jnp.float32)
-  spec = KernelSpec(scale=0.25, causal=False, block_q=8, block_k=16)
-  q_pos = jnp.arange(32, dtype=jnp.int32)
-  pos = jnp.arange(64, dtype=jnp.int32)
-  out, lse = oracle.attention(q, k, v, scale=0.25)
-  parts = [xla.backward(q, k[:, s], v[:, s], out, lse, dout, q_pos, pos[s], None, None, spec)
-           for s in (slice(0, 32), slice(32, 64))]
-  dq = parts[0][0] + parts[1][0]
-  dk = jnp.concatenate([parts[0][1], parts[1][1]], axis=1)
-  dv = jnp.concatenate([parts[0][2], parts[1][2]], axis=1)
-  _, vjp = jax.vjp(lambda q, k, v: oracle.attention(q, k, v, scale=0.25)[0], q, k, v)
-  for got, want in zip((dq, dk, dv), vjp(dout)):
-    assert helpers.max_err(got, want) <= 1e-4

@@ -3,6 +3,11 @@
 Each subcommand is a module with `define_flags()` (its absl flags) and `main(argv)`. Only
 the chosen module's flags are defined, so subcommands may reuse flag names, and importing
 a module for its functions (as the tests do) defines no flag.
+
+A user's mistake is one line on stderr and exit status 2, before any work: a flag that does
+not parse, a positional argument where none is taken, or a `UsageError` that a subcommand's
+`main` raises while checking its flags (it checks them all before it touches a device).
+A subcommand that takes positional arguments (`launch`) sets `TAKES_ARGUMENTS = True`.
 """
 
 from __future__ import annotations
@@ -12,19 +17,30 @@ import sys
 
 # name -> (module, one-line help). Modules are imported only when chosen.
 SUBCOMMANDS = {
-    "demo": ("ringflash.demo", "ring attention on a simulated 8-device mesh, checked"),
-    "plan": ("ringflash.plan", "per-device memory of a TPU slice, compiled without a TPU"),
-    "bench": ("ringflash.bench", "per-device kernel throughput against cuDNN"),
+    "demo": ("ringflash.cli.demo", "ring attention on a simulated 8-device mesh, checked"),
+    "plan": ("ringflash.cli.plan", "per-device memory of a TPU slice, compiled without a TPU"),
+    "bench": ("ringflash.cli.bench", "per-device kernel throughput against cuDNN"),
     "check": ("ringflash.launch.check", "ring attention over all global devices, verified"),
     "launch": ("ringflash.launch.cli", "start a job on local processes or a TPU slice"),
     "train": ("ringflash.launch.train", "long-context language model training"),
 }
 
 
+class UsageError(Exception):
+  """A mistake in a command's flags or arguments: `ringflash` prints
+  `ringflash <subcommand>: <message>` as one line and exits with status 2."""
+
+
 def _usage() -> str:
   lines = ["usage: ringflash <subcommand> [--flags]   (ringflash <subcommand> --help)", ""]
   lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
   return "\n".join(lines)
+
+
+def _fail(name: str, message: str) -> None:
+  first = " ".join(str(message).split())        # one line, whatever the message held
+  print(f"ringflash {name}: {first}", file=sys.stderr, flush=True)
+  sys.exit(2)
 
 
 def run(argv: list[str] | None = None) -> None:
@@ -52,8 +68,20 @@ def run(argv: list[str] | None = None) -> None:
     print(f"usage: ringflash {name} [--flags]   ({SUBCOMMANDS[name][1]})\n")
     print(flags.FLAGS.module_help(module))
     sys.exit(0)
-  app.run(module.main, argv=[f"ringflash {name}"] + argv[2:])
 
+  def parse(args):
+    try:
+      rest = flags.FLAGS(args)
+    except flags.Error as err:
+      _fail(name, err)
+    if len(rest) > 1 and not getattr(module, "TAKES_ARGUMENTS", False):
+      _fail(name, f"takes flags only, got the argument(s) {' '.join(rest[1:])}")
+    return rest
 
-if __name__ == "__main__":
-  run()
+  def main(args):
+    try:
+      return module.main(args)
+    except UsageError as err:
+      _fail(name, err)
+
+  app.run(main, argv=[f"ringflash {name}"] + argv[2:], flags_parser=parse)

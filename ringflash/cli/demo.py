@@ -3,15 +3,22 @@
 Runs on the devices present; with only a CPU it simulates --devices CPU devices. Prints the
 largest error against an independent single-device reference, the wall time, and the
 compiled program's per-device memory next to what one device would need for the scores.
+Flags are checked before any work; a mistake is one line and status 2.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 from absl import flags
 
+from ringflash import introspect
+from ringflash.cli import UsageError
+
 FLAGS = flags.FLAGS
+
+BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 
 
 def define_flags() -> None:
@@ -25,8 +32,66 @@ def define_flags() -> None:
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "input dtype")
   flags.DEFINE_bool("causal", True, "causal masking")
   flags.DEFINE_integer("devices", 8, "simulated CPU devices when no accelerator is present")
-  flags.DEFINE_string("backend", "auto", "kernel backend: auto, xla, pallas_tpu, pallas_gpu")
+  flags.DEFINE_enum("backend", "auto", list(BACKENDS), "kernel backend")
   flags.DEFINE_integer("reference_chunk", 1024, "query rows per step of the dense reference")
+
+
+def print_work_table(ring_size: int = 8, seq_len: int = 8192, block: int = 128, *,
+                     causal: bool = True, window: tuple[int, int] | None = None) -> dict:
+  """Prints the per-device work (tiles computed) of each layout and max/mean; returns it."""
+  table = introspect.work_table(ring_size, seq_len, block, causal=causal, window=window)
+  print(f"per-device work in {block}x{block} tiles: P={ring_size}, T={seq_len}, "
+        f"causal={causal}, window={window}")
+  print(f"{'layout':<11} {'max':>6} {'mean':>8} {'max/mean':>8}  per device")
+  for layout, work in table.items():
+    mean = float(np.mean(work))
+    print(f"{layout:<11} {int(work.max()):>6} {mean:>8.1f} {work.max() / mean:>8.3f}  "
+          f"{' '.join(str(int(w)) for w in work)}")
+  return table
+
+
+def check_flags(f) -> None:
+  """Checks the flags that need no device, before any work.
+
+  Args:
+    f: the parsed flags (absl's FLAGS, or anything with the same attributes).
+
+  Raises:
+    UsageError: one line naming the flag and what it allows.
+  """
+  for name in ("seq_len", "batch", "heads", "kv_heads", "head_dim", "devices",
+               "reference_chunk"):
+    if getattr(f, name) < 1:
+      raise UsageError(f"--{name} must be > 0, got {getattr(f, name)}")
+  if f.heads % f.kv_heads:
+    raise UsageError(f"--kv_heads={f.kv_heads} must divide --heads={f.heads} (GQA)")
+  if f.seq_len % min(f.reference_chunk, f.seq_len):
+    raise UsageError(f"--reference_chunk={f.reference_chunk} must divide --seq_len={f.seq_len} "
+                     "(or be at least it)")
+
+
+def check_devices(f, devices) -> None:
+  """Checks the flags against the devices that run: the sequence divides over them and the
+  backend runs these shapes on them (introspect.ring_spec, without running anything).
+
+  Raises:
+    UsageError: one line naming the flag.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  p = len(devices)
+  if f.seq_len % p:
+    simulated = " (--devices)" if devices[0].platform == "cpu" else ""
+    raise UsageError(f"--seq_len={f.seq_len} must be divisible by the {p} devices{simulated}")
+  if f.causal and f.seq_len % (2 * p):
+    raise UsageError(f"--seq_len={f.seq_len} must be divisible by 2 x the {p} devices with "
+                     "--causal (the zigzag layout of the load-balance table)")
+  local = [jax.ShapeDtypeStruct((f.batch, f.seq_len // p, h, f.head_dim), f.dtype)
+           for h in (f.heads, f.kv_heads, f.kv_heads)]
+  try:
+    introspect.ring_spec(*local, ring_size=p, device=devices[0], is_causal=f.causal,
+                         backend=f.backend)
+  except (ValueError, NotImplementedError) as err:
+    raise UsageError(f"--backend={f.backend} cannot run these flags: {err}") from None
 
 
 def _gib(n: float) -> str:
@@ -34,7 +99,9 @@ def _gib(n: float) -> str:
 
 
 def main(argv):
+  """Checks the flags, runs the ring and the reference, prints; exits 1 if they disagree."""
   del argv
+  check_flags(FLAGS)
   import jax  # pylint: disable=g-import-not-at-top
 
   jax.config.update("jax_num_cpu_devices", FLAGS.devices)   # only affects a CPU-only host
@@ -42,11 +109,12 @@ def main(argv):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from ringflash import _reference as reference  # pylint: disable=g-import-not-at-top
+  from ringflash import reference  # pylint: disable=g-import-not-at-top
 
   import ringflash  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
+  check_devices(FLAGS, devices)
   mesh = Mesh(np.array(devices), ("sp",))
   p = len(devices)
   b, t, n, kh, h = FLAGS.batch, FLAGS.seq_len, FLAGS.heads, FLAGS.kv_heads, FLAGS.head_dim
@@ -103,9 +171,8 @@ def main(argv):
   print(f"one device holding the full [B, N, T, S] fp32 scores: {_gib(scores)} "
         f"({scores / max(mem.temp_size_in_bytes, 1):.0f}x the ring's temporaries)")
   if FLAGS.causal:
-    from ringflash import layouts  # pylint: disable=g-import-not-at-top
     print("\nthe ring waits for its busiest device; causal load balance of each layout:")
-    layouts.print_work_table(p, t, layouts.balance_block(t, p))
+    print_work_table(p, t, introspect.balance_block(t, p))
 
   tol = 1e-4 if dtype == jnp.float32 else 5e-2
   verdict = "PASS" if worst <= tol else "FAIL"

@@ -1,0 +1,133 @@
+"""What the pallas_gpu kernels share: constants, the tile plan, the warp-specialized launch.
+
+The forward (kernels/pallas_gpu_mosaic_fwd.py) and both backwards
+(kernels/pallas_gpu_mosaic_bwd.py, kernels/pallas_gpu_triton_bwd.py) import this module and
+nothing of each other; kernels/pallas_gpu.py, the backend, chooses among them.
+
+Masks and skipping. Before a kernel, `tile_flags` looks at each (query tile, key tile) pair
+through base.block_may_have_work on the tiles' [min, max] position and segment ranges, and
+`tile_plan` turns the flags into, for query tile i, the key-tile range [lo, hi) that may have
+work and, inside it, one run [flo, fhi) of tiles whose every pair is valid (no mask needed).
+Example, causal, contiguous, T = S = 1024, bq = 64, bk = 128: query tile 5 holds positions
+320..383, so lo = 0, hi = 3 (key tile 2 holds 256..383), full run [0, 2), and tile 2 is
+evaluated with the mask. Inside a tile the mask is base.pair_mask on the tile's positions and
+segment ids. The backwards apply the same plan transposed (key tiles in the role of query
+tiles).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ringflash.kernels import base
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Shared memory a CUDA block may use on Hopper (227 KiB).
+SMEM_BYTES = 227 * 1024
+
+
+def _tile_ranges(pos, seg, size):
+  """Per tile [min, max] of positions ([n, 2]) and segment ids ([B, n, 2] or None)."""
+  p = pos.reshape(-1, size)
+  p2 = jnp.stack([p.min(axis=1), p.max(axis=1)], axis=-1)
+  if seg is None:
+    return p2, None
+  s = seg.astype(jnp.int32).reshape(seg.shape[0], -1, size)
+  return p2, jnp.stack([s.min(axis=2), s.max(axis=2)], axis=-1)
+
+
+def tile_flags(q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec, bq: int, bk: int):
+  """Per batch row and tile pair: (may have work, every pair valid), bool [B|1, nq, nk] each.
+
+  "May have work" is base.block_may_have_work on the tiles' [min, max] ranges (it reads
+  only the ranges). "Every pair valid" is the converse test for the masks evaluated here:
+  causal needs the tile's largest key position <= its smallest query position; segments
+  need one id on both sides; a window (left, right) needs q_hi - k_lo <= left and
+  k_hi - q_lo <= right.
+  """
+  qr, qs = _tile_ranges(q_pos, q_seg, bq)          # [nq, 2], [B, nq, 2] | None
+  kr, ks = _tile_ranges(k_pos, k_seg, bk)          # [nk, 2], [B, nk, 2] | None
+
+  def pair(qp, kp, qsg, ksg):
+    return base.block_may_have_work(qp, kp, spec, qsg, ksg)
+
+  if qs is None:
+    work = jax.vmap(lambda qp: jax.vmap(lambda kp: pair(qp, kp, None, None))(kr))(qr)[None]
+  else:
+    work = jax.vmap(                                # batch
+        lambda qsb, ksb: jax.vmap(                  # query tiles
+            lambda qp, qsg: jax.vmap(               # key tiles
+                lambda kp, ksg: pair(qp, kp, qsg[None], ksg[None]))(kr, ksb))(qr, qsb))(qs, ks)
+  full = jnp.ones(work.shape, jnp.bool_)
+  if spec.causal:
+    full = full & (kr[None, None, :, 1] <= qr[None, :, None, 0])
+  window = spec.window
+  if window is not None:
+    left, right = window
+    # every pair has -right <= i - j <= left: q_hi - k_lo <= left and k_hi - q_lo <= right
+    full = full & (qr[None, :, None, 1] - kr[None, None, :, 0] <= left)
+    full = full & (kr[None, None, :, 1] - qr[None, :, None, 0] <= right)
+  if qs is not None:
+    one_q = (qs[..., 0] == qs[..., 1])[:, :, None]                 # [B, nq, 1]
+    one_k = (ks[..., 0] == ks[..., 1])[:, None, :]                 # [B, 1, nk]
+    full = full & one_q & one_k & (qs[:, :, None, 0] == ks[:, None, :, 0])
+  return work, full & work
+
+
+def _first_true(x, default):
+  """Index of the first True along the last axis, or `default` where none."""
+  n = x.shape[-1]
+  idx = jnp.where(x, jnp.arange(n, dtype=jnp.int32), n)
+  first = idx.min(axis=-1)
+  return jnp.where(first == n, default, first).astype(jnp.int32)
+
+
+def tile_plan(work, full):
+  """Per query tile: int32 [B|1, nq, 8] = (u_lo, lo, flo, fhi, hi, u_hi, 0, 0).
+
+  [lo, hi): the key tiles that may have work (every tile outside is skipped); [flo, fhi):
+  a run of full tiles inside it, computed without a mask; [u_lo, u_hi): the union of the
+  ranges of the two query tiles 2c, 2c + 1 that one CUDA block computes (the K/V stream).
+  A tile with no work has lo = hi = u_lo, an empty range inside the union.
+  """
+  nk = work.shape[-1]
+  ar = jnp.arange(nk, dtype=jnp.int32)
+  any_work = work.any(axis=-1)
+  lo = _first_true(work, 0)
+  hi = jnp.where(any_work, nk - _first_true(work[..., ::-1], nk), 0).astype(jnp.int32)
+  flo = _first_true(full, 0)
+  has_full = full.any(axis=-1)
+  broken = (ar >= flo[..., None]) & ~full
+  fhi = jnp.where(has_full, _first_true(broken, nk), 0).astype(jnp.int32)
+  # pair query tiles (2c, 2c + 1): the union of the ranges with work
+  b, nq = work.shape[0], work.shape[1]
+  lo_w = jnp.where(any_work, lo, nk).reshape(b, nq // 2, 2)
+  hi_w = jnp.where(any_work, hi, 0).reshape(b, nq // 2, 2)
+  u_lo = jnp.repeat(lo_w.min(axis=-1), 2, axis=1)
+  u_hi = jnp.repeat(hi_w.max(axis=-1), 2, axis=1)
+  u_hi = jnp.maximum(u_hi, u_lo)                   # both empty: u_lo = nk = u_hi
+  u_lo = jnp.minimum(u_lo, u_hi)
+
+  def clamp(x, a, b_):
+    return jnp.minimum(jnp.maximum(x, a), b_)
+
+  lo = jnp.where(any_work, lo, u_lo)
+  hi = jnp.where(any_work, hi, u_lo)
+  lo, hi = clamp(lo, u_lo, u_hi), clamp(hi, u_lo, u_hi)
+  flo = jnp.where(has_full, clamp(flo, lo, hi), lo)
+  fhi = jnp.where(has_full, clamp(fhi, flo, hi), flo)
+  zero = jnp.zeros_like(lo)
+  return jnp.stack([u_lo, lo, flo, fhi, hi, u_hi, zero, zero], axis=-1).astype(jnp.int32)
+
+
+def warp_specialized(entry, out_type, *, grid, grid_names):
+  """plgpu.kernel with this backend's block shape: compute warpgroups 0 and 1, memory
+  warpgroup 2, on the thread axis "wg"."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
+                      num_threads=3, thread_name="wg",
+                      compiler_params=plgpu.CompilerParams(approx_math=True))

@@ -1,0 +1,237 @@
+"""The Mosaic GPU forward of the pallas_gpu backend (Hopper: wgmma, TMA, warp specialization).
+
+Layout of one CUDA block (grid: query heads x query-tile pairs x batch), three warpgroups:
+two compute warpgroups own `bq` query rows each (2 * bq rows per block) and one memory
+warpgroup streams K/V tiles of `bk` rows through a `stages`-deep ring of shared-memory slots
+with TMA. Per K/V step a compute warpgroup issues S = Q K^T (wgmma, fp32 accumulator),
+applies the online softmax in registers (base 2, the scale folded into one FMA), and issues
+O += P V (wgmma, P from registers). A schedule barrier lets the two compute warpgroups take
+turns on the tensor cores while the other does its softmax (FlashAttention-3's ping-pong).
+
+The plan (kernels/pallas_gpu_common.py) gives each query tile its key-tile range and full
+run. The two query tiles of one block share the K/V stream, so the memory warpgroup loads the
+union of their ranges [u_lo, u_hi); a compute warpgroup passes over the union steps outside
+its own range without computing (it still waits and releases each slot so that barrier phases
+stay in step).
+
+Rows with no valid key end with l = 0: o = 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ringflash.kernels import base
+from ringflash.kernels import pallas_gpu_common as common
+
+
+def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: bool,
+            window, has_seg: bool, block_q: int, block_k: int, stages: int):
+  """The Mosaic GPU call: o float32 [B, N, T, H], lse float32 [B, N, T] (natural log).
+
+  plan: int32 [B|1, T / block_q, 8] from common.tile_plan.
+  """
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  grp = n // kh
+  bq, bk = block_q, block_k
+  dtype = q.dtype
+  c = float(scale * common.LOG2E)
+  masked = causal or has_seg or window is not None
+  use_pos = causal or window is not None
+  layout = plgpu.Layout.WGMMA
+  row, col = layout.reduce(1), layout.reduce(0)   # [bq] along rows, [bk] along columns
+
+  def body(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, plan_ref,
+           o_ref, lse_ref, scoped):
+    bi = lax.axis_index("batch")
+    head = lax.axis_index("heads")
+    # Blocks start in grid order: the last query tiles first, which have the most key
+    # tiles under a causal mask, so that the short blocks fill the tail of the launch.
+    pair = (t // (2 * bq) - 1) - lax.axis_index("q_seq")
+    wg = lax.axis_index("wg")
+    (q_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = (
+        scoped)
+    pb = lax.min(bi, plan_ref.shape[0] - 1)        # plan rows: B, or 1 without segments
+
+    def turn():
+      plgpu.barrier_arrive(sched)
+      plgpu.barrier_wait(sched)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      qt = 2 * pair + wg
+      q_base = qt * bq
+      u_lo = plan_ref[pb, qt, 0]
+      lo, flo, fhi, hi = (plan_ref[pb, qt, 1], plan_ref[pb, qt, 2], plan_ref[pb, qt, 3],
+                          plan_ref[pb, qt, 4])
+      u_hi = plan_ref[pb, qt, 5]
+      q_smem = q_smem2.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), head], q_smem, q_bar.at[wg])
+      plgpu.barrier_wait(q_bar.at[wg])
+      if use_pos:
+        qpos = plgpu.load(qpos_ref.at[pl.ds(q_base, bq)], layout=row, optimized=False)
+      if has_seg:
+        qseg = plgpu.load(qseg_ref.at[bi, pl.ds(q_base, bq)], layout=row, optimized=False)
+      m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
+      l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
+      acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), layout)
+
+      pl.when(wg == 1)(turn)
+
+      def slot_of(kv):
+        return lax.rem(kv - u_lo, jnp.array(stages, jnp.int32))
+
+      def skip_step(kv, carry):
+        slot = slot_of(kv)
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        turn()
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        turn()
+        return carry
+
+      def step(kv, carry, use_mask):
+        acc, m_i, l_i = carry
+        slot = slot_of(kv)
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def qk_scope(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+          turn()
+          return acc_ref[...]
+
+        s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        if use_mask:
+          qp = kp = qsg = ksg = None
+          if use_pos:
+            kpos = plgpu.load(kpos_ref.at[pl.ds(kv * bk, bk)], layout=col, optimized=False)
+            qp = lax.broadcast_in_dim(qpos, (bq, bk), [0])
+            kp = lax.broadcast_in_dim(kpos, (bq, bk), [1])
+          if has_seg:
+            kseg = plgpu.load(kseg_ref.at[bi, pl.ds(kv * bk, bk)], layout=col,
+                              optimized=False)
+            qsg = lax.broadcast_in_dim(qseg, (bq, bk), [0])
+            ksg = lax.broadcast_in_dim(kseg, (bq, bk), [1])
+          valid = base.pair_mask(qp, kp, qsg, ksg, causal=causal, window=window)
+          s = jnp.where(valid, s, -jnp.inf)
+        # m is kept in base-2 units of the scaled logits: p = 2^(c s - m).
+        m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+        if use_mask:
+          # A row with no valid key so far keeps m = -inf; shift it by 0 instead, so that
+          # its p and alpha are exactly 0 and no (-inf) - (-inf) appears.
+          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        else:
+          m_use = m_new
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_wait(sched)
+
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l_i
+
+      def run(start, stop, fn, carry):
+        # Loops count from 0: inside shard_map the loaded bounds carry the mesh axis in
+        # their type, and a loop index starting at such a bound would not match its own
+        # increment.
+        return lax.fori_loop(0, stop - start, lambda i, c: fn(start + i, c), carry)
+
+      carry = (acc, m_i, l_i)
+      run(u_lo, lo, skip_step, None)
+      if masked:
+        carry = run(lo, flo, functools.partial(step, use_mask=True), carry)
+      carry = run(flo, fhi, functools.partial(step, use_mask=False), carry)
+      if masked:
+        carry = run(fhi, hi, functools.partial(step, use_mask=True), carry)
+      run(hi, u_hi, skip_step, None)
+      acc, m_i, l_i = carry
+      pl.when(wg == 0)(turn)
+
+      ok = base.has_key(m_i, l_i)
+      inv = jnp.where(ok, 1.0 / jnp.where(ok, l_i, 1.0), 0.0)
+      o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+      lse = jnp.where(ok, m_i * common.LN2 + jnp.log(jnp.where(ok, l_i, 1.0)), -jnp.inf)
+      lse_smem = lse_smem2.at[wg]
+      lse_smem[...] = lse
+      o_ref.at[bi, head, pl.ds(q_base, bq)][...] = o
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, head, pl.ds(q_base, bq)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+      kvh = lax.div(head, jnp.array(grp, head.dtype))
+      qt = 2 * pair
+      u_lo = plan_ref[pb, qt, 0]
+      u_hi = plan_ref[pb, qt, 5]
+      count = u_hi - u_lo
+
+      def issue(kv, slot):
+        src = (bi, pl.ds(kv * bk, bk), kvh)
+        plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+
+      for i in range(stages):
+        pl.when(i < count)(functools.partial(issue, u_lo + i, i))
+
+      @pl.loop(0, jnp.maximum(count - stages, 0))
+      def _refill(r):
+        slot = lax.rem(r, jnp.array(stages, jnp.int32))
+        kv = u_lo + r + stages
+        src = (bi, pl.ds(kv * bk, bk), kvh)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+
+  def entry(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, plan_ref, o_ref,
+            lse_ref):
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+    scratch = [
+        plgpu.SMEM((2, bq, h), dtype, transforms=(tiling, swizzle)),
+        plgpu.SMEM((stages, bk, h), dtype, transforms=(tiling, swizzle)),
+        plgpu.SMEM((stages, bk, h), dtype, transforms=(tiling, swizzle)),
+        plgpu.SMEM((2, bq), jnp.float32),
+    ]
+    pl.run_scoped(
+        lambda *args: body(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
+                           plan_ref, o_ref, lse_ref, args),
+        scratch,
+        (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_barriers=2)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+  if not has_seg:
+    q_seg = jnp.zeros((b, t), jnp.int32)
+    k_seg = jnp.zeros((b, k.shape[1]), jnp.int32)
+  out_type = (jax.ShapeDtypeStruct((b, n, t, h), jnp.float32),
+              jax.ShapeDtypeStruct((b, n, t), jnp.float32))
+  return common.warp_specialized(entry, out_type, grid=(n, t // (2 * bq), b),
+                          grid_names=("heads", "q_seq", "batch"))(
+      q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), q_seg.astype(jnp.int32),
+      k_seg.astype(jnp.int32), plan)

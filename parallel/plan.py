@@ -1,0 +1,334 @@
+"""The ring's static schedule: who holds which positions, which hops run, which tiles work.
+
+Everything here is static (NumPy and Python ints) except `device_positions` and
+`held_positions`, which the ring evaluates inside shard_map.
+
+Layouts. A layout says which global positions each device of a ring of P devices holds;
+masks are functions of global positions, so a layout changes nothing but those positions.
+With global length T and L = T / P tokens per device:
+
+  contiguous  device i holds positions i*L ... i*L + L - 1.
+  zigzag      the sequence is cut into 2P chunks of c = L / 2; device i holds chunks i and
+              2P - 1 - i. P = 4, T = 16 (c = 2): device 0 holds 0 1 14 15, device 1 holds
+              2 3 12 13, device 2 holds 4 5 10 11, device 3 holds 6 7 8 9.
+  striped     token t lives on device t mod P, at local row t // P. P = 4, T = 16: device 1
+              holds 1 5 9 13.
+(ringflash/layouts.py holds the public permutations to_layout / from_layout and says which
+layout to use.)
+
+Lanes and steps. A lane is a stream of K/V pieces: every device starts it holding piece
+`part` of its own rows and passes what it holds `direction` (+1 or -1) once per step, so at
+step s device i holds the piece of device `source(i, s) = (i - direction * s) mod P`
+(`Lane.source`, the one definition of "the block held at step s"): direction +1, P = 4,
+device 2 holds the pieces of devices 2, 1, 0, 3 at steps 0..3. `held_positions` gives the
+global positions of that piece, so positions never travel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ringflash.kernels import base
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def check_layout(layout, ring_size: int, length: int, *, name: str = "layout",
+                 length_name: str = "length") -> None:
+  """Raises ValueError unless `layout` is known and a GLOBAL `length` fits it on the ring.
+
+  contiguous and striped need length % P == 0, zigzag length % (2P) == 0.
+  """
+  if layout not in LAYOUTS:
+    raise ValueError(f"{name} must be one of {LAYOUTS}, got {layout!r}")
+  if isinstance(ring_size, bool) or not isinstance(ring_size, (int, np.integer)) or ring_size < 1:
+    raise ValueError(f"ring_size must be a positive int, got {ring_size!r}")
+  parts = 2 * ring_size if layout == "zigzag" else ring_size
+  if length % parts:
+    what = f"2 * ring_size = {parts} (zigzag chunks)" if layout == "zigzag" else (
+        f"the ring size {ring_size}")
+    raise ValueError(f"{name}={layout!r}: {length_name} {length} must be divisible by {what}")
+
+
+def _positions(xp, layout: str, index, ring_size: int, local_len: int):
+  """Global positions of the `local_len` rows held by device `index` (xp: np or jnp).
+
+  `index` may be a traced scalar (the ring's lax.axis_index) or a NumPy int array
+  broadcasting against the rows (the planner's [P, 1] column of device indices).
+  """
+  rows = xp.arange(local_len, dtype=xp.int32)
+  if layout == "contiguous":
+    return index * local_len + rows
+  if layout == "striped":
+    # Row r of device i is token r * P + i: P = 4, device 1, rows 0..3 -> 1 5 9 13.
+    return rows * ring_size + index
+  # zigzag, c = local_len / 2. Rows 0..c-1 are chunk i, rows c..2c-1 chunk 2P-1-i; chunk m
+  # starts at m * c. P = 4, c = 2, device 1: rows 0 1 -> 2 3 (chunk 1), rows 2 3 -> 12 13
+  # (chunk 6).
+  c = local_len // 2
+  chunk = xp.where(rows < c, index, 2 * ring_size - 1 - index)
+  return chunk * c + rows % c
+
+
+def layout_positions(layout: str, ring_size: int, length: int) -> np.ndarray:
+  """[P, length / P] int32: row i lists the global positions device i holds, in local order.
+
+  Every row is increasing (the zigzag chunk i comes before chunk 2P-1-i).
+
+  Args:
+    layout: "contiguous", "zigzag" or "striped".
+    ring_size: P.
+    length: the GLOBAL sequence length.
+
+  Raises:
+    ValueError: unknown layout, or length not divisible by P (2P for zigzag).
+  """
+  check_layout(layout, ring_size, length)
+  index = np.arange(ring_size, dtype=np.int32)[:, None]
+  pos = _positions(np, layout, index, ring_size, length // ring_size)
+  return np.broadcast_to(pos, (ring_size, length // ring_size)).astype(np.int32)
+
+
+def device_positions(layout: str, index, ring_size: int, local_len: int):
+  """[local_len] int32 global positions of device `index` (traced inside shard_map)."""
+  return _positions(jnp, layout, jnp.asarray(index, jnp.int32), ring_size, local_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lane:
+  """One stream of K/V pieces around the ring.
+
+  Every device starts a lane holding piece `part` of its own K/V rows. At step s it holds
+  the piece of device (i - direction * s) mod P: direction +1 sends i -> i + 1, so device 2
+  of 4 holds the pieces of 2, 1, 0, 3 at steps 0..3; direction -1 gives 2, 3, 0, 1. A lane
+  computes at steps first..last and makes `last` transfers (none after its last step).
+
+  Attributes:
+    part: which piece of the local K/V rows (of RingPlan.parts equal pieces).
+    direction: +1 or -1.
+    first: first step computed.
+    last: last step held and computed.
+  """
+
+  part: int
+  direction: int
+  first: int
+  last: int
+
+  def source(self, device, step, ring_size):
+    """The device whose piece `device` holds at `step` (NumPy or traced ints)."""
+    return (device - self.direction * step) % ring_size
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RingPlan:
+  """The ring's static schedule and per-hop tile counts (from plan_ring).
+
+  Attributes:
+    layout, ring_size: as given.
+    parts: K/V rows split into this many equal pieces (2: bidirectional ring, one per lane).
+    lanes: the streams of K/V pieces (see Lane). Unidirectional full ring: one lane,
+      direction +1, steps 0..P-1. Bidirectional: the first half of the rows travels +1,
+      the second half -1, both P steps. Truncated by a window: all rows +1 for steps
+      0..a (the a earlier neighbours) and, if keys of later devices are in the window, all
+      rows -1 for steps 1..b.
+    tiles: [P, P, parts] int: tiles[d, e, p] is the number of (query tile, key tile) pairs
+      of device d's queries against piece p of device e's K/V that may hold a valid pair
+      (base.ranges_may_have_work on the tiles' position ranges; exact for causal masks and,
+      with contiguous rows, for windows).
+  """
+
+  layout: str
+  ring_size: int
+  parts: int
+  lanes: tuple[Lane, ...]
+  tiles: np.ndarray
+
+  @property
+  def steps(self) -> int:
+    """Ring steps (the longest lane)."""
+    return max(lane.last for lane in self.lanes) + 1
+
+  @property
+  def transfers(self) -> int:
+    """K/V transfers of one forward pass, per device (the P - 1 of a full ring when < P)."""
+    return sum(lane.last for lane in self.lanes)
+
+  def lane_tiles(self, lane: Lane) -> np.ndarray:
+    """[P, lane.last + 1] int32: tiles device d computes at step s of `lane` (0 if skipped)."""
+    d = np.arange(self.ring_size)[:, None]
+    s = np.arange(lane.last + 1)[None, :]
+    counts = self.tiles[d, lane.source(d, s, self.ring_size), lane.part]
+    return np.where(s >= lane.first, counts, 0).astype(np.int32)
+
+  def work_per_device(self) -> np.ndarray:
+    """[P] int: tiles each device computes over the whole forward ring."""
+    return sum(self.lane_tiles(lane).sum(axis=1) for lane in self.lanes)
+
+
+def _tile_ranges(pos: np.ndarray, block: int):
+  """First and last position of each tile of `block` rows: [..., n / block] each.
+
+  Rows are increasing within a device (see layout_positions), so a tile's smallest position
+  is its first row and its largest its last row.
+  """
+  tiles = pos.reshape(pos.shape[:-1] + (pos.shape[-1] // block, block))
+  return tiles[..., 0], tiles[..., -1]
+
+
+def _count_tiles(q_lo, q_hi, k_lo, k_hi, causal, window) -> int:
+  """Number of (q tile, k tile) pairs passing base.ranges_may_have_work, the kernels' test."""
+  work = base.ranges_may_have_work(q_lo[:, None], q_hi[:, None], k_lo[None, :],
+                                   k_hi[None, :], causal=causal, window=window)
+  return int(np.broadcast_to(work, (len(q_lo), len(k_lo))).sum())
+
+
+@functools.lru_cache(maxsize=256)
+def plan_ring(layout: str, ring_size: int, q_len: int, kv_len: int, block_q: int,
+              block_k: int, causal: bool, window: tuple[int, int] | None = None,
+              bidirectional: bool = False) -> RingPlan:
+  """Which hops each device computes and how many tiles: the ring follows this plan.
+
+  Hop choice. Let N be the set of offsets o (device d uses the K/V of device d - o mod P)
+  with work on some device. The ring must visit every offset in N; a lane going +1 visits
+  0, 1, ..., a; one going -1 visits P-1, ..., P-b. The plan takes the smallest a + b
+  covering N. Without a window N is everything (or, contiguous causal, 0..P-1 anyway) and
+  the full ring of P - 1 transfers runs. Contiguous, P = 8, L = 64 tokens per device,
+  window (100, 0): device d needs devices d-1 and d-2 (keys down to 64d - 100), so
+  N = {0, 1, 2}, a = 2, b = 0: two transfers instead of seven, and K/V never travel
+  further. Window (100, 100): N = {0, 1, 2, 6, 7}, a = 2, b = 2.
+  `bidirectional` splits K/V rows in two halves on opposite lanes of the full ring; when a
+  window already truncates the ring, that schedule is kept (it uses both directions when
+  the window reaches both ways).
+
+  Tile counts use base.ranges_may_have_work on each tile's position range: the same test
+  the kernels use to skip tiles, so the counts are the tiles the kernels compute (the xla
+  kernel's exact per-tile mask can skip a few more for striped windows).
+
+  Lengths and tiles are checked once, at the public boundary (ringflash/_validate.py);
+  here they are asserted.
+
+  Args:
+    layout: "contiguous", "zigzag" or "striped".
+    ring_size: P.
+    q_len, kv_len: LOCAL query and key lengths per device.
+    block_q, block_k: tile sizes; block_q must divide q_len, block_k must divide kv_len
+      (kv_len / 2 when bidirectional). The public API also makes them divide the zigzag
+      chunks (q_len / 2, kv_len / 2), so that no tile straddles two chunks.
+    causal: causal masking.
+    window: None or (left, right).
+    bidirectional: split K/V over two opposite lanes.
+
+  Returns:
+    A RingPlan.
+  """
+  full_tiles = _tile_counts(layout, ring_size, q_len, kv_len, block_q, block_k, causal,
+                            window, parts=1)
+  p = ring_size
+  offsets = np.arange(p)
+  d = np.arange(p)[:, None]
+  needed = full_tiles[d, (d - offsets[None, :]) % p, 0].sum(axis=0) > 0     # [P] by offset
+  needed[0] = True
+  best = (p - 1, 0)
+  for a in range(p):
+    later = [o for o in range(a + 1, p) if needed[o]]
+    b = p - min(later) if later else 0
+    if a + b < sum(best):
+      best = (a, b)
+  a, b = best
+  if a + b < p - 1:
+    lanes = (Lane(part=0, direction=1, first=0, last=a),)
+    if b:
+      lanes += (Lane(part=0, direction=-1, first=1, last=b),)
+    return RingPlan(layout, p, 1, lanes, full_tiles)
+  if bidirectional and p > 1:
+    tiles = _tile_counts(layout, p, q_len, kv_len, block_q, block_k, causal, window, parts=2)
+    lanes = (Lane(part=0, direction=1, first=0, last=p - 1),
+             Lane(part=1, direction=-1, first=0, last=p - 1))
+    return RingPlan(layout, p, 2, lanes, tiles)
+  return RingPlan(layout, p, 1, (Lane(part=0, direction=1, first=0, last=p - 1),),
+                  full_tiles)
+
+
+def _tile_counts(layout, ring_size, q_len, kv_len, block_q, block_k, causal, window, parts):
+  piece = kv_len // parts
+  assert q_len % block_q == 0 and piece % block_k == 0, (q_len, block_q, piece, block_k)
+  q_pos = layout_positions(layout, ring_size, q_len * ring_size)
+  k_pos = layout_positions(layout, ring_size, kv_len * ring_size)
+  q_lo, q_hi = _tile_ranges(q_pos, block_q)                           # [P, nq]
+  k_lo, k_hi = _tile_ranges(k_pos.reshape(ring_size, parts, piece), block_k)  # [P, parts, nk]
+  tiles = np.zeros((ring_size, ring_size, parts), dtype=np.int64)
+  for dq in range(ring_size):
+    for dk in range(ring_size):
+      for part in range(parts):
+        tiles[dq, dk, part] = _count_tiles(q_lo[dq], q_hi[dq], k_lo[dk, part], k_hi[dk, part],
+                                           causal, window)
+  return tiles
+
+
+def work_table(ring_size: int = 8, seq_len: int = 8192, block: int = 128, *,
+               causal: bool = True, window: tuple[int, int] | None = None) -> dict:
+  """Per-device tiles of each layout: {layout: [P] int array}, self-attention of seq_len.
+
+  Block sizes: `block` for contiguous and striped; for zigzag the same `block` (it must
+  divide the chunk seq_len / (2P)).
+  """
+  out = {}
+  for layout in LAYOUTS:
+    local = seq_len // ring_size
+    plan = plan_ring(layout, ring_size, local, local, block, block, causal, window)
+    out[layout] = plan.work_per_device()
+  return out
+
+
+def balance_block(seq_len: int, ring_size: int, cap: int = 512) -> int:
+  """A tile size that every layout's plan accepts: divides the zigzag chunk seq_len / 2P."""
+  chunk = seq_len // (2 * ring_size)
+  return max(d for d in range(1, min(cap, chunk) + 1) if chunk % d == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSpec:
+  """Everything static the ring needs, in one hashable value (a custom_vjp's nondiff arg).
+
+  Attributes:
+    kernel: the kernel spec (scale, masks, the backend's resolved tiles).
+    backend: the kernel backend's name (kernels.BACKENDS).
+    axis_name: the mesh axis of the ring.
+    ring_size: P, devices along axis_name.
+    layout: "contiguous", "zigzag" or "striped".
+    bidirectional: split K/V in two halves travelling in opposite directions.
+  """
+
+  kernel: base.KernelSpec
+  backend: str
+  axis_name: str
+  ring_size: int
+  layout: str = "contiguous"
+  bidirectional: bool = False
+
+  def plan(self, q_len: int, kv_len: int) -> "RingPlan":
+    """The plan for local lengths q_len, kv_len (cached)."""
+    return plan_ring(self.layout, self.ring_size, q_len, kv_len, self.kernel.block_q,
+                     self.kernel.block_k, self.kernel.causal, self.kernel.window,
+                     self.bidirectional)
+
+
+def held_positions(plan: "RingPlan", lane_index: int, step, axis_name: str,
+                   kv_len: int):
+  """[kv_len / parts] int32 global positions of the piece lane `lane_index` holds at `step`
+  on this device (traced, inside shard_map over axis_name).
+
+  Contiguous, P = 4, 16 keys per device, one part, lane +1: device 2 at step 1 holds device
+  1's piece, positions 16..31; at step 3 device 3's, 48..63.
+  """
+  lane = plan.lanes[lane_index]
+  origin = lane.source(lax.axis_index(axis_name), step, plan.ring_size)
+  size = kv_len // plan.parts
+  pos = device_positions(plan.layout, origin, plan.ring_size, kv_len)
+  return lax.slice_in_dim(pos, lane.part * size, (lane.part + 1) * size)

@@ -1,0 +1,178 @@
+"""`ringflash bench`: per-device attention throughput against cuDNN, measured in one process.
+
+Modes (--mode), one module each in this package, sharing the timing harness (harness.py):
+  kernels  TFLOP/s of ringflash's kernel (the native backend, pallas_gpu on Hopper), cuDNN
+           (jax.nn.dot_product_attention(implementation="cudnn")) and the xla backend, for
+           B=1, N=16, H=128, T=S in --seq_lens, causal and non-causal, bf16, plus GQA rows
+           (16 query heads, 4 kv heads). Forward and forward+backward. A table with the
+           ratio to cuDNN, JSON, and a PNG plot (TFLOP/s against sequence length).
+  virtual  the ring's per-step cost on one GPU: P ring steps (the local K/V block standing
+           in for the received one; kernel + LSE merge, as parallel/ring.py runs them)
+           against one kernel call over the whole length P * T_local.
+  layouts  the causal ring per layout (contiguous, zigzag, striped) on one device: each
+           simulated device's P steps with its own positions, timed; max/mean shows balance.
+  scaling  weak scaling: ring_attention on P = 1, 2, 4, ... of the job's devices with T/P per
+           device in --seq_lens; efficiency = per-device TFLOP/s of the ring at P over the
+           ring of one device at the same per-device length, measured in the same run.
+           Causal rows use --layout (zigzag: balanced). For P > 1 the compiled program is
+           read for whether each ring step's K/V permute is in flight around a kernel.
+           In a multi-process job (`ringflash launch local --platform=gpu -- bench ...`,
+           one process per GPU) P is 1 (each process's own device) and all devices.
+  longest  the longest sequence whose forward+backward fits on all of the job's devices:
+           per-device lengths in --seq_lens (ascending), causal, K = last --kv_heads; each
+           is compiled and its per-device memory (memory_analysis) compared with the
+           device's; those that fit and have T <= --run_max_len are also run once, timed.
+
+FLOP convention (FlashAttention): forward 4 * B * N * T * S * H, halved when causal;
+forward+backward = 3.5x forward. Time: median of --iters calls after --warmup calls, wall
+clock around block_until_ready. In the kernels mode the implementations of a row take turns:
+each round times one call of each, in an order that rotates between rounds, so that a drift
+of the device's clock falls on all of them alike; the ratio to cuDNN is the median of the
+rounds' ratios.
+
+Failures: a flag out of range is a usage error (status 2) before any work. When ringflash's
+own implementation (ringflash or xla) fails, the command prints its error and exits with
+status 1; a peer baseline that fails (cuDNN on a CPU) is left out of its rows, its error
+printed and recorded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import jax
+from absl import flags
+
+from ringflash.cli import UsageError
+from ringflash.cli.bench import harness
+
+FLAGS = flags.FLAGS
+
+MODES = ("kernels", "virtual", "layouts", "scaling", "longest")
+
+
+def define_flags() -> None:
+  """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
+  before parsing; importing the module (as tests do) defines nothing."""
+  flags.DEFINE_enum("mode", "kernels", list(MODES), "what to run")
+  flags.DEFINE_list("seq_lens", ["4096", "16384", "65536"],
+                    "sequence lengths (kernels: T = S; virtual, scaling: per device)")
+  flags.DEFINE_integer("heads", 16, "query heads N")
+  flags.DEFINE_list("kv_heads", ["16", "4"], "kv heads K per row group (16:4 = GQA)")
+  flags.DEFINE_integer("head_dim", 128, "head dim H")
+  flags.DEFINE_integer("batch", 1, "batch B")
+  flags.DEFINE_list("causal", ["false", "true"], "causal settings to run")
+  flags.DEFINE_list("impls", list(harness.IMPLEMENTATIONS), "implementations")
+  flags.DEFINE_integer("xla_max_len", 16384, "skip the xla backend above this T")
+  flags.DEFINE_list("gqa_seq_lens", ["16384"], "sequence lengths of the GQA rows")
+  flags.DEFINE_integer("warmup", 2, "untimed calls (kernels mode: at least one, the compile)")
+  flags.DEFINE_integer("iters", 5, "timed calls (median); kernels mode: rounds")
+  flags.DEFINE_list("ring_sizes", ["2", "4", "8"], "virtual: ring steps P")
+  flags.DEFINE_string("out", "bench_out", "folder for JSON and PNG")
+  flags.DEFINE_bool("backward", True, "also time forward+backward")
+  flags.DEFINE_enum("layout", "zigzag", ["contiguous", "zigzag", "striped"],
+                    "scaling, longest: layout of the causal rows")
+  flags.DEFINE_string("hlo_dir", "", "scaling: write each ring program's compiled HLO here")
+  option = harness.OVERLAP_OPTION
+  flags.DEFINE_integer("collectives_in_flight", harness.default_collectives_in_flight(),
+                       "scaling, longest, on GPUs: how many collectives XLA may keep in "
+                       f"flight at once (its option {option}); 0 leaves XLA's default, one",
+                       lower_bound=0)
+  flags.DEFINE_integer("run_max_len", 1 << 20, "longest: run (not only compile) total "
+                       "lengths T up to this")
+
+
+def _ints(f, name: str) -> list[int]:
+  """The entries of list flag --name as ints, each >= 1."""
+  values = getattr(f, name)
+  if not values:
+    raise UsageError(f"--{name} must list at least one integer >= 1")
+  out = []
+  for text in values:
+    try:
+      value = int(text)
+    except ValueError:
+      value = None
+    if value is None or value < 1:
+      raise UsageError(f"--{name} takes integers >= 1, got {text!r}")
+    out.append(value)
+  return out
+
+
+def _at_least(f, name: str, low: int) -> None:
+  value = getattr(f, name)
+  if value < low:
+    raise UsageError(f"--{name} must be >= {low}, got {value}")
+
+
+def _folder(f, name: str) -> None:
+  path = getattr(f, name)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise UsageError(f"--{name}={path} is a file; it must name a folder")
+
+
+def check_flags(f) -> None:
+  """Checks every flag before any work.
+
+  Args:
+    f: the parsed flags (absl's FLAGS, or anything with the same attributes).
+
+  Raises:
+    UsageError: one line naming the flag and what it allows.
+  """
+  for name in ("heads", "head_dim", "batch", "iters"):
+    _at_least(f, name, 1)
+  for name in ("warmup", "xla_max_len", "run_max_len"):
+    _at_least(f, name, 0)
+  seq_lens = _ints(f, "seq_lens")
+  _ints(f, "gqa_seq_lens")
+  _ints(f, "ring_sizes")
+  for kh in _ints(f, "kv_heads"):
+    if f.heads % kh:
+      raise UsageError(f"--kv_heads entries must divide --heads={f.heads} (GQA), got {kh}")
+  causal = [c.lower() for c in f.causal]
+  if not causal or any(c not in ("true", "false") for c in causal):
+    raise UsageError(f"--causal takes entries true or false, got {','.join(f.causal)!r}")
+  if not f.impls or any(i not in harness.IMPLEMENTATIONS for i in f.impls):
+    raise UsageError(f"--impls takes entries of {','.join(harness.IMPLEMENTATIONS)}, got "
+                     f"{','.join(f.impls)!r}")
+  if not f.out:
+    raise UsageError("--out must name a folder")
+  _folder(f, "out")
+  if f.hlo_dir:
+    _folder(f, "hlo_dir")
+  # The zigzag layout cuts each device's rows in two chunks: the layouts mode always runs
+  # its tiles; scaling (causal rows) and longest run it when --layout=zigzag.
+  zigzag = f.mode == "layouts" or (f.layout == "zigzag" and (
+      f.mode == "longest" or (f.mode == "scaling" and "true" in causal)))
+  odd = [t for t in seq_lens if t % 2]
+  if zigzag and odd:
+    why = "--mode=layouts" if f.mode == "layouts" else f"--layout=zigzag (--mode={f.mode})"
+    raise UsageError(f"--seq_lens must be even per device with {why}: the zigzag layout "
+                     f"cuts them in two chunks, got {odd[0]}")
+
+
+def main(argv):
+  """Checks the flags, runs the mode, writes bench_<mode>.json (and the kernels plot)."""
+  del argv
+  check_flags(FLAGS)
+  from ringflash.launch import distributed  # pylint: disable=g-import-not-at-top
+
+  distributed.initialize()      # a multi-process job (RINGFLASH_* set) joins before any device use
+  os.makedirs(FLAGS.out, exist_ok=True)
+  dev = jax.devices()[0]
+  print(f"jax {jax.__version__}, {len(jax.devices())} x {dev.device_kind}", flush=True)
+  mode = importlib.import_module(f"ringflash.cli.bench.{FLAGS.mode}")
+  try:
+    rows = mode.run(FLAGS)
+  except harness.ImplementationError as err:
+    raise SystemExit(f"ringflash bench: {err}") from err
+  if jax.process_index() != 0:     # process 0 of a multi-process job writes the files
+    return
+  meta = {"jax": jax.__version__, "device": dev.device_kind, "mode": FLAGS.mode,
+          "warmup": FLAGS.warmup, "iters": FLAGS.iters, "processes": jax.process_count(),
+          "devices": len(jax.devices())}
+  harness.write_json(FLAGS.out, FLAGS.mode, rows, meta)
+  if FLAGS.mode == "kernels":
+    harness.plot_kernels(rows, FLAGS.impls, os.path.join(FLAGS.out, "bench_kernels.png"))

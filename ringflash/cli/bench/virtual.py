@@ -1,0 +1,66 @@
+"""`ringflash bench --mode=virtual`: the ring's per-step cost, on one device.
+
+A device of a ring of P runs P steps, each the kernel on its queries and the K/V block it
+holds then, merged into fp32 (o, lse). Here one device runs those P steps alone
+(introspect.device_steps: the ring's own step code) with its local K/V standing in for the
+block held at each step, against one kernel call over all P * T_local keys (a ring of one
+device: one step, whose merge into the empty accumulators is free next to the kernel).
+Non-causal, so every step has the same work: the difference is the cost of splitting.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ringflash import introspect
+from ringflash.cli.bench import harness
+
+
+def run(f) -> list[dict]:
+  """Runs the mode; prints a line per row and returns the rows.
+
+  Args:
+    f: the parsed flags (absl's FLAGS, or anything with the same attributes).
+  """
+  dev = jax.devices()[0]
+  rows = []
+  n, h, b = f.heads, f.head_dim, f.batch
+  for tl in map(int, f.seq_lens):
+    for p in map(int, f.ring_sizes):
+      for kh in map(int, f.kv_heads):
+        q, k, v, _ = harness.inputs(b, tl, n, kh, h)
+        ring = introspect.ring_spec(q, k, v, ring_size=p, device=dev)
+        pos = jnp.arange(tl, dtype=jnp.int32)
+        # Step s: the local block stands in for the one received from device i - s; its
+        # positions move with it (non-causal: all valid). P = 4, tl = 256: the held
+        # positions are 0..255 at step 0, 256..511 at step 1, ..., 768..1023 at step 3.
+        held = pos[None, :] + tl * jnp.arange(p, dtype=jnp.int32)[:, None]     # [P, tl]
+        steps = introspect.device_steps(ring)
+
+        @jax.jit
+        def ring_steps(q, k, v, steps=steps, held=held):
+          o, lse = steps(q, k, v, pos, held)
+          return o.astype(q.dtype), lse
+
+        kw, vw = jnp.tile(k, (1, p, 1, 1)), jnp.tile(v, (1, p, 1, 1))
+        whole = introspect.device_steps(introspect.ring_spec(q, kw, vw, ring_size=1, device=dev))
+        pos_w = jnp.arange(tl * p, dtype=jnp.int32)[None, :]                     # [1, P * tl]
+
+        @jax.jit
+        def one_call(q, k, v, whole=whole, pos_w=pos_w):
+          o, lse = whole(q, k, v, pos, pos_w)
+          return o.astype(q.dtype), lse
+
+        t_ring = harness.time_median(ring_steps, q, k, v, warmup=f.warmup, iters=f.iters)
+        t_one = harness.time_median(one_call, q, kw, vw, warmup=f.warmup, iters=f.iters)
+        flops = harness.flops(b, n, tl, tl * p, h, False)
+        row = {"T_local": tl, "P": p, "K": kh, "ring_ms": t_ring * 1e3, "one_ms": t_one * 1e3,
+               "overhead": t_ring / t_one - 1.0, "ring_tflops": flops / t_ring / 1e12,
+               "one_tflops": flops / t_one / 1e12, "backend": ring.backend}
+        rows.append(row)
+        print(f"T_local={tl:>6} P={p} K={kh:>2}: {p} ring steps {t_ring * 1e3:8.2f} ms "
+              f"({row['ring_tflops']:.1f} TFLOP/s) vs one call {t_one * 1e3:8.2f} ms "
+              f"({row['one_tflops']:.1f} TFLOP/s): overhead {100 * row['overhead']:+.1f}%",
+              flush=True)
+  return rows

@@ -1,0 +1,88 @@
+"""The one internal interface of ringflash's programs (ringflash/cli, launch/, scripts/).
+
+The public API (ring_attention, ...) hides what it resolves per call; the benchmark, the
+planner and the profiling scripts need to see it and to run pieces of it alone. Everything
+they use beyond the public API is here, so no program imports a private name of another
+folder and none copies the ring's code:
+
+  ring_spec(q, k, v, ring_size=..., device=..., **options)   what a call would run: the
+      validated, resolved RingSpec (backend, kernel spec with its tiles, layout, plan);
+  device_steps(ring, q_len, kv_len)   one device's ring steps, on one device: the kernel and
+      the LSE merge exactly as parallel/ring.py runs them (parallel.ring.step), the device's
+      own K/V standing in for the block it would hold at each step;
+  plan, held_source, layout_positions, work_table   the ring's static schedule.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ringflash import _validate
+from ringflash.kernels import get_backend
+from ringflash.parallel import ring as _ring
+from ringflash.parallel.plan import RingPlan as RingPlan
+from ringflash.parallel.plan import RingSpec as RingSpec
+from ringflash.parallel.plan import balance_block as balance_block
+from ringflash.parallel.plan import layout_positions as layout_positions
+from ringflash.parallel.plan import work_table as work_table
+
+
+def ring_spec(query, key, value, *, ring_size: int, device, axis_name: str = "sp",
+              segment_ids=None, scale=None, backend: str = "auto", block_sizes=None,
+              is_causal: bool = False, layout: str = "contiguous", local_window_size=None,
+              bidirectional: bool = False) -> RingSpec:
+  """The RingSpec that ring_attention_sharded would run on local shards of these shapes.
+
+  Args:
+    query, key, value: LOCAL shards (arrays or jax.ShapeDtypeStruct): [B, T, N, H] and
+      [B, S, K, H] per device.
+    ring_size: P, devices of the ring.
+    device: a device of the ring (its platform and kind choose the backend and tiles).
+    axis_name, segment_ids, scale, backend, block_sizes, is_causal, layout,
+      local_window_size, bidirectional: as ring_attention_sharded.
+
+  Raises:
+    ValueError, NotImplementedError: as ring_attention_sharded.
+  """
+  _, ring = _validate.prepare(
+      query, key, value, segment_ids=segment_ids, scale=scale, backend=backend,
+      block_sizes=block_sizes, is_causal=is_causal, layout=layout,
+      local_window_size=local_window_size, bidirectional=bidirectional, ring_size=ring_size,
+      local=True, axis_name=axis_name, platform=device.platform, device=device)
+  return ring
+
+
+def plan(ring: RingSpec, q_len: int, kv_len: int) -> RingPlan:
+  """The ring's static plan for local lengths (lanes, steps, tiles per hop)."""
+  return ring.plan(q_len, kv_len)
+
+
+def held_source(ring: RingSpec, q_len: int, kv_len: int, device: int, step: int,
+                lane: int = 0) -> int:
+  """The ring index of the device whose K/V `device` holds at `step` on lane `lane`."""
+  return int(ring.plan(q_len, kv_len).lanes[lane].source(device, step, ring.ring_size))
+
+
+def device_steps(ring: RingSpec):
+  """Jitted (q, k, v, q_pos [T], k_pos [steps, S]) -> (o float32, lse): one device's ring
+  steps run on one device, kernel and merge as parallel/ring.py runs them; at step s the
+  given K/V stand in for the block held there, with positions k_pos[s]. No segment ids."""
+  kernel = get_backend(ring.backend)
+
+  @jax.jit
+  def steps(q, k, v, q_pos, k_pos):
+    b, t, n, _ = q.shape
+
+    def body(s, carry):
+      return _ring.step(*carry, kernel, ring.kernel, q, k, v, q_pos, k_pos[s], None, None)
+
+    init = (jnp.zeros((b, t, n, v.shape[-1]), jnp.float32),
+            jnp.full((b, n, t), -jnp.inf, jnp.float32))
+    return jax.lax.fori_loop(0, k_pos.shape[0], body, init)
+
+  return steps
+
+
+__all__ = ["RingPlan", "RingSpec", "balance_block", "device_steps", "held_source", "layout_positions", "plan",
+           "ring_spec", "work_table"]

@@ -1,0 +1,569 @@
+"""The contract test base: every case of the kernel contract and of the ring, written once.
+
+Each backend subclasses ContractTests in tests/contract/test_<backend>.py and sets its
+capability flags; pytest collects the subclasses only (this class's name does not start with
+"Test"). A case that needs a feature the backend does not claim is skipped with the reason,
+never silently. Sizes are given in units of the backend's UNIT (tokens per device of the
+smallest case), so one case list serves backends whose tiles differ (xla and interpreted
+pallas_tpu: 16 tokens; the Mosaic GPU kernels: 256).
+
+Every numerical check is against tests/oracle.py, dense fp32 attention written from the
+definition (helpers.check: fp32 ~1e-4 absolute; bf16 and fp16 FlashAttention's criterion,
+error <= 2x (outputs) or 3x (gradients) that of a plain low-precision dense implementation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import helpers
+import oracle
+import ringflash
+from ringflash.kernels import base
+from ringflash.kernels import get_backend
+
+N = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class RingCase:
+  """One ring_attention call. t, s: local query and key lengths in units of UNIT; window in
+  sixteenths of UNIT (so that it spans the same fraction of a shard on every backend)."""
+
+  name: str
+  ring_size: int
+  kv_heads: int = 2
+  causal: bool = False
+  segments: str | None = None          # None, "packed" (one [B, T] array), "pair"
+  layout: str = "contiguous"
+  window: int | tuple[int, int] | None = None
+  bidirectional: bool = False
+  t: int = 1
+  s: int = 1
+  low_precision: bool = False          # the backend's LOW_DTYPE instead of its DTYPE
+  batch: int = 1
+
+  def __str__(self):
+    return self.name
+
+
+RING_CASES = [
+    RingCase("mha-P8", 8, kv_heads=4),
+    RingCase("gqa-causal-seg-P8", 8, causal=True, segments="packed"),
+    RingCase("mqa-seg-P4", 4, kv_heads=1, segments="packed", batch=2),
+    RingCase("cross-causal-T<S-P4", 4, causal=True, t=1, s=2),
+    RingCase("cross-seg-pair-T<S-P2", 2, segments="pair", t=1, s=2),
+    RingCase("zigzag-causal-P8", 8, causal=True, layout="zigzag"),
+    RingCase("striped-causal-seg-P4", 4, kv_heads=4, causal=True, segments="packed",
+             layout="striped"),
+    RingCase("window-short-causal-P8", 8, causal=True, window=(5, 0)),
+    RingCase("window-spanning-seg-P8", 8, kv_heads=1, segments="packed", window=(40, 20)),
+    RingCase("zigzag-window-P4", 4, layout="zigzag", window=10),
+    RingCase("bidi-causal-seg-P4", 4, causal=True, segments="packed", bidirectional=True),
+    RingCase("bidi-zigzag-seg-P8", 8, kv_heads=1, segments="packed", layout="zigzag",
+             bidirectional=True),
+    RingCase("low-precision-gqa-causal-P4", 4, causal=True, low_precision=True, t=2, s=2),
+]
+
+# One block pair: (id, B, T, S in units, N, K, causal, query offset in units, segments).
+KERNEL_CASES = [
+    ("gqa-causal", 1, 16, 16, 4, 2, True, 0, False),
+    # Queries placed before part of the keys: the first 6 units of rows see no key at all.
+    ("causal-dead-rows", 1, 16, 16, 4, 2, True, -6, False),
+    # Per-row segment ids; batch rows with different documents skip different tiles.
+    ("mha-seg-b2", 2, 16, 16, 2, 2, False, 0, True),
+    # MQA (the G = 4 query heads of one kv head share its tiles), T < S, queries after keys.
+    ("mqa-cross", 1, 8, 16, 4, 1, True, 4, False),
+]
+
+SLOW_RING_CASES = [
+    RingCase("striped-window-bidi-P8", 8, causal=True, segments="packed", layout="striped",
+             window=(20, 0), bidirectional=True),
+    RingCase("window-wide-P8", 8, window=(70, 70)),
+    RingCase("zigzag-window-seg-P8", 8, kv_heads=4, causal=True, segments="packed",
+             layout="zigzag", window=(12, 0), t=2, s=2, batch=2),
+    RingCase("low-precision-seg-pair-P2", 2, segments="pair", low_precision=True, t=2, s=1),
+]
+
+
+class ContractTests:
+  """The cases; subclasses set the capability flags below.
+
+  Flags:
+    BACKEND: the backend's name.
+    DTYPE / LOW_DTYPE: the dtype of the cases / of the low-precision cases.
+    HEAD_DIM: head dim of the cases.
+    UNIT: tokens per device of the smallest case (the backend's tiles must divide it, half
+      of it for zigzag and bidirectional).
+    FEATURES: what the backend claims, of "window", "segments", "layouts", "bidirectional",
+      "cross" (T != S), "ring" (runs inside ring_attention on this host's devices),
+      "kernel" (its forward/backward callable on this host).
+    SKIP: None, or why nothing here can run on this host (e.g. no Hopper GPU).
+    SHARD_MAP_CHECK_VMA: the check_vma a caller's shard_map needs around
+      ring_attention_sharded (False for Pallas kernels interpreted on CPU devices).
+  """
+
+  BACKEND: str = ""
+  DTYPE = jnp.float32
+  LOW_DTYPE = jnp.bfloat16
+  HEAD_DIM = 32
+  UNIT = 16
+  FEATURES = frozenset({"window", "segments", "layouts", "bidirectional", "cross", "ring",
+                        "kernel"})
+  SKIP: str | None = None
+  SHARD_MAP_CHECK_VMA = True
+
+  # ---------------------------------------------------------------------------------------
+  # Capability helpers.
+
+  def require(self, *features):
+    if self.SKIP:
+      pytest.skip(self.SKIP)
+    missing = [f for f in features if f not in self.FEATURES]
+    if missing:
+      pytest.skip(f"backend {self.BACKEND!r} does not claim {', '.join(missing)}")
+
+  def block_sizes(self, q_len: int, kv_len: int):
+    """The tile configuration of the cases (None: the backend's defaults)."""
+    del q_len, kv_len
+    return None
+
+  def mesh(self, ring_size):
+    return helpers.mesh_of(ring_size)
+
+  def adapt(self, case: RingCase) -> RingCase:
+    """The case as this host runs it (a backend with fewer devices than the case's ring may
+    run it on a smaller ring; the oracle follows)."""
+    return case
+
+  def kernel_spec(self, *, q_len, kv_len, kv_heads, causal, scale, window=None,
+                  segments=False, n=N):
+    """A KernelSpec with this backend's tiles resolved for one block pair."""
+    from ringflash import _validate  # pylint: disable=g-import-not-at-top
+    device = jax.devices()[0]
+    problem = base.Problem(
+        q_len=q_len, kv_len=kv_len, head_dim=self.HEAD_DIM, kv_heads=kv_heads,
+        group=n // kv_heads, dtype=jnp.dtype(self.DTYPE), platform=device.platform,
+        device_kind=getattr(device, "device_kind", ""),
+        compute_capability=getattr(device, "compute_capability", None), causal=causal,
+        window=window, segments=segments)
+    kernel = get_backend(self.BACKEND)
+    return _validate.resolve_spec(kernel, problem, scale=scale,
+                                  block_sizes=self.block_sizes(q_len, kv_len))
+
+  def check(self, got, ref, plain):
+    helpers.check(got, ref, None if jnp.dtype(got[0].dtype) == jnp.float32 else plain)
+
+  # ---------------------------------------------------------------------------------------
+  # Kernel level: one block pair at global positions, no mesh.
+
+  @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c[0])
+  def test_block_pair_matches_oracle(self, case):
+    """forward and backward (from the oracle's out and lse, with an lse cotangent) of one
+    block pair at global positions, against the oracle."""
+    self.require("kernel")
+    _, b, t, s, n, kh, causal, off, seg = case
+    t, s, off = t * self.UNIT, s * self.UNIT, off * self.UNIT
+    if seg:
+      self.require("segments")
+    q, k, v, dout = helpers.inputs(0, b, t, s, n, kh, self.HEAD_DIM, self.DTYPE)
+    q_pos = jnp.arange(t, dtype=jnp.int32) + off
+    k_pos = jnp.arange(s, dtype=jnp.int32)
+    q_seg = k_seg = None
+    if seg:
+      q_seg = helpers.packed_segments(b, t, seed=4)
+      k_seg = helpers.packed_segments(b, s, seed=4) if s != t else q_seg
+    spec = self.kernel_spec(q_len=t, kv_len=s, kv_heads=kh, causal=causal, scale=0.125,
+                            segments=seg, n=n)
+    kernel = get_backend(self.BACKEND)
+
+    def dense(upcast):
+      return functools.partial(oracle.attention, causal=causal, scale=0.125, q_seg=q_seg,
+                               kv_seg=k_seg, q_pos=q_pos, kv_pos=k_pos, upcast=upcast)
+
+    o, lse = jax.jit(kernel.forward, static_argnums=7)(q, k, v, q_pos, k_pos, q_seg, k_seg,
+                                                       spec)
+    ref_o, ref_lse = dense(True)(q, k, v)
+    plain_o, _ = dense(False)(q, k, v)
+    assert o.dtype == jnp.float32 and lse.dtype == jnp.float32
+    assert o.shape == q.shape and lse.shape == (b, n, t)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    low = jnp.dtype(self.DTYPE) != jnp.float32
+    assert helpers.max_err(o, ref_o) <= (2 * helpers.max_err(plain_o, ref_o) if low
+                                         else helpers.fp32_tol(ref_o))
+    assert helpers.max_err(lse, ref_lse) <= (2e-2 if low else helpers.fp32_tol(ref_lse))
+    dead = np.asarray(jnp.isneginf(ref_lse))                      # [B, N, T]
+    if off < 0:
+      assert dead.any()
+    assert np.all(np.asarray(o).transpose(0, 2, 1, 3)[dead] == 0.0)
+
+    dlse = jnp.where(jnp.isfinite(ref_lse), 0.3, 0.0)
+    grads = jax.jit(kernel.backward, static_argnums=10)(
+        q, k, v, ref_o.astype(q.dtype), ref_lse, dout, q_pos, k_pos, q_seg, k_seg, spec, dlse)
+
+    def loss(upcast):
+      def f(q_, k_, v_):
+        o_, l_ = dense(upcast)(q_, k_, v_)
+        return (jnp.sum(o_.astype(jnp.float32) * dout.astype(jnp.float32))
+                + jnp.sum(jnp.where(jnp.isfinite(l_), l_, 0.0) * dlse))
+      return f
+
+    want = jax.grad(loss(True), argnums=(0, 1, 2))(q, k, v)
+    plain = jax.grad(loss(False), argnums=(0, 1, 2))(q, k, v)
+    for name, g, w, p in zip(("dq", "dk", "dv"), grads, want, plain):
+      assert g.dtype == jnp.float32 and g.shape == w.shape, name
+      assert bool(jnp.all(jnp.isfinite(g))), name
+      assert helpers.max_err(g, w) <= (3 * helpers.max_err(p, w) if low
+                                       else helpers.fp32_tol(w)), name
+    dq_rows = np.asarray(grads[0]).transpose(0, 2, 1, 3)           # [B, N, T, H]
+    assert np.all(dq_rows[dead] == 0.0)
+
+  def test_block_pair_backward_from_global_statistics(self):
+    """Two block pairs' gradients, each from the GLOBAL out and lse (with an lse cotangent),
+    add up to the gradients of attention over both."""
+    self.require("kernel")
+    t, half = 2 * self.UNIT, 2 * self.UNIT
+    q, k, v, dout = helpers.inputs(2, 1, t, 2 * half, N, 2, self.HEAD_DIM, self.DTYPE)
+    q_pos = jnp.arange(t, dtype=jnp.int32) + half
+    pos = jnp.arange(2 * half, dtype=jnp.int32)
+    spec = self.kernel_spec(q_len=t, kv_len=half, kv_heads=2, causal=True, scale=0.25)
+    out, lse = oracle.attention(q, k, v, causal=True, scale=0.25, q_pos=q_pos, kv_pos=pos)
+    dlse = jnp.where(jnp.isfinite(lse), 0.3, 0.0)
+    kernel = get_backend(self.BACKEND)
+    parts = [jax.jit(kernel.backward, static_argnums=10)(
+        q, k[:, sl], v[:, sl], out.astype(q.dtype), lse, dout, q_pos, pos[sl], None, None,
+        spec, dlse) for sl in (slice(0, half), slice(half, 2 * half))]
+    got = (parts[0][0] + parts[1][0], jnp.concatenate([parts[0][1], parts[1][1]], axis=1),
+           jnp.concatenate([parts[0][2], parts[1][2]], axis=1))
+
+    def loss(upcast):
+      def f(q_, k_, v_):
+        o_, l_ = oracle.attention(q_, k_, v_, causal=True, scale=0.25, q_pos=q_pos,
+                                  kv_pos=pos, upcast=upcast)
+        return (jnp.sum(o_.astype(jnp.float32) * dout.astype(jnp.float32))
+                + jnp.sum(jnp.where(jnp.isfinite(l_), l_, 0.0) * dlse))
+      return f
+
+    want = jax.grad(loss(True), argnums=(0, 1, 2))(q, k, v)
+    plain = jax.grad(loss(False), argnums=(0, 1, 2))(q, k, v)
+    for name, g, w, p in zip(("dq", "dk", "dv"), got, want, plain):
+      assert g.dtype == jnp.float32 and g.shape == w.shape, name
+      if jnp.dtype(self.DTYPE) == jnp.float32:
+        assert helpers.max_err(g, w) <= helpers.fp32_tol(w), name
+      else:
+        assert helpers.max_err(g, w) <= 3 * helpers.max_err(p, w), name
+
+  # ---------------------------------------------------------------------------------------
+  # Through the ring.
+
+  def _inputs(self, case: RingCase):
+    """Natural-order q, k, v, dout and segment ids (None, one array, or a pair)."""
+    p = case.ring_size
+    t, s = case.t * self.UNIT * p, case.s * self.UNIT * p
+    dtype = self.LOW_DTYPE if case.low_precision else self.DTYPE
+    q, k, v, dout = helpers.inputs(len(case.name) + p, case.batch, t, s, N, case.kv_heads,
+                                   self.HEAD_DIM, dtype)
+    seg = None
+    if case.segments == "packed":
+      seg = helpers.packed_segments(case.batch, t, seed=t)
+    elif case.segments == "pair":
+      # Query ids 0..2 against key ids 1..3: rows of document 0 see no key at all.
+      seg = (helpers.packed_segments(case.batch, t, seed=2),
+             helpers.packed_segments(case.batch, s, seed=3) + 1)
+    return q, k, v, dout, seg
+
+  def _window(self, case: RingCase):
+    if case.window is None:
+      return None
+    w = (case.window, case.window) if isinstance(case.window, int) else case.window
+    return tuple(x * self.UNIT // 16 for x in w)
+
+  def _ring(self, case: RingCase, args, **extra):
+    """(out, lse, dq, dk, dv) of ring_attention on layout-ordered args, one compiled program."""
+    p = case.ring_size
+    mesh = self.mesh(p)
+    pair = case.segments == "pair"
+    local = args[0].shape[1] // p, args[1].shape[1] // p
+
+    def run(q, k, v, dout, *segs):
+      ids = None if not segs else (tuple(segs) if pair else segs[0])
+
+      def attn(q, k, v):
+        return ringflash.ring_attention(
+            q, k, v, mesh=mesh, is_causal=case.causal, segment_ids=ids, return_residual=True,
+            backend=self.BACKEND, block_sizes=self.block_sizes(*local), layout=case.layout,
+            local_window_size=self._window(case), bidirectional=case.bidirectional, **extra)
+
+      (out, lse), vjp = jax.vjp(attn, q, k, v)
+      return (out, lse) + vjp((dout, jnp.zeros_like(lse)))
+
+    return jax.jit(run)(*args)
+
+  def _ring_natural(self, case: RingCase, inputs=None, **extra):
+    q, k, v, dout, seg = self._inputs(case) if inputs is None else inputs
+    segs = () if seg is None else (seg if isinstance(seg, tuple) else (seg,))
+    to = functools.partial(ringflash.to_layout, layout=case.layout, ring_size=case.ring_size)
+    args = [to(x) for x in (q, k, v, dout)] + [to(x) for x in segs]
+    out, lse, dq, dk, dv = self._ring(case, args, **extra)
+    back = functools.partial(ringflash.from_layout, layout=case.layout,
+                             ring_size=case.ring_size)
+    return back(out), back(lse, axis=2), back(dq), back(dk), back(dv)
+
+  def _oracle(self, case: RingCase, inputs=None, upcast=True):
+    q, k, v, dout, seg = self._inputs(case) if inputs is None else inputs
+    q_seg, kv_seg = (seg if isinstance(seg, tuple) else (seg, seg)) if seg is not None else (
+        None, None)
+
+    def attn(q, k, v):
+      return oracle.attention(q, k, v, causal=case.causal, q_seg=q_seg, kv_seg=kv_seg,
+                              window=self._window(case), upcast=upcast)
+
+    (out, lse), vjp = jax.vjp(attn, q, k, v)
+    return (out, lse) + vjp((dout.astype(out.dtype), jnp.zeros_like(lse)))
+
+  def _features(self, case: RingCase):
+    need = ["ring"]
+    if case.window is not None:
+      need.append("window")
+    if case.segments is not None:
+      need.append("segments")
+    if case.layout != "contiguous":
+      need.append("layouts")
+    if case.bidirectional:
+      need.append("bidirectional")
+    if case.t != case.s:
+      need.append("cross")
+    return need
+
+  def _check_case(self, case: RingCase):
+    self.require(*self._features(case))
+    case = self.adapt(case)
+    got = self._ring_natural(case)
+    ref = self._oracle(case)
+    plain = self._oracle(case, upcast=False)
+    q = self._inputs(case)[0]
+    assert got[0].dtype == q.dtype and got[1].dtype == jnp.float32
+    assert got[0].shape == q.shape and got[1].shape == (q.shape[0], N, q.shape[1])
+    self.check(got, ref, plain)
+    if case.segments == "pair":
+      seg = self._inputs(case)[4][0]
+      dead = np.asarray(seg[0] == 0)                  # query ids absent from the keys
+      assert dead.any()
+      assert np.all(np.asarray(got[0])[0, dead] == 0)
+      assert np.all(np.isneginf(np.asarray(got[1])[0][:, dead]))
+      assert np.all(np.asarray(got[2])[0, dead] == 0)
+
+  @pytest.mark.parametrize("case", RING_CASES, ids=str)
+  def test_ring_matches_oracle(self, case):
+    self._check_case(case)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("case", SLOW_RING_CASES, ids=str)
+  def test_ring_matches_oracle_slow(self, case):
+    self._check_case(case)
+
+  def test_error_does_not_grow_with_ring_size(self):
+    self.require("ring")
+    errs, ref = {}, None
+    sizes = sorted({self.adapt(RingCase("", p)).ring_size for p in (1, 2, 4, 8)})
+    for p in sizes:
+      # the same global problem on every ring: 8 units of tokens
+      case = RingCase("grow", p, causal=True, t=8 // p, s=8 // p)
+      inputs = self._inputs(dataclasses.replace(case, ring_size=8, t=1, s=1))
+      if ref is None:
+        ref = self._oracle(case, inputs)
+      got = self._ring_natural(case, inputs)
+      errs[p] = [helpers.max_err(g, r) for g, r in zip(got, ref)]
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+      # Same tiles, different merge order: rounding may move by a few fp32 ulps (lse is fp32
+      # for every input dtype), but must not grow with P.
+      fp32_quantity = jnp.dtype(self.DTYPE) == jnp.float32 or name == "lse"
+      ulps = 32 * np.finfo(np.float32).eps * max(1.0, float(jnp.max(jnp.abs(ref[i]))))
+      bound = max(1.5 * errs[1][i], ulps if fp32_quantity else 0.0)
+      for p in sizes[1:]:
+        assert errs[p][i] <= bound, (name, p, errs[p][i], errs[1][i])
+
+  def test_rows_without_valid_key_give_zero_and_zero_gradients(self):
+    self.require("ring", "segments", "cross")
+    case = self.adapt(RingCase("empty-rows", 8, causal=True, segments="pair"))
+    q, k, v, dout, _ = self._inputs(case)
+    t, s = q.shape[1], k.shape[1]
+    # Query ids 0..3 by quarter; key ids 0..1 only: queries of ids 2, 3 have no key at all.
+    q_ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4)[None]
+    kv_ids = jnp.repeat(jnp.arange(2, dtype=jnp.int32), s // 2)[None]
+    inputs = (q, k, v, dout, (q_ids, kv_ids))
+    got = self._ring_natural(case, inputs)
+    out, lse, dq = (np.asarray(x, np.float32) for x in got[:3])
+    empty = np.asarray(q_ids[0] >= 2)
+    assert np.all(out[0, empty] == 0.0) and np.all(np.isneginf(lse[0][:, empty]))
+    assert np.all(dq[0, empty] == 0.0)
+    for g in got[2:]:
+      assert np.all(np.isfinite(np.asarray(g, np.float32)))
+    self.check(got, self._oracle(case, inputs), self._oracle(case, inputs, upcast=False))
+
+  @pytest.mark.parametrize("where", ["q", "k", "v"])
+  def test_nonfinite_values_a_row_does_not_see_never_reach_it(self, where):
+    """NaN in the query, key or value rows of one document never reaches the rows of the
+    other, forward or backward (documents interleave so that every tile mixes them)."""
+    self.require("ring", "segments")
+    case = self.adapt(RingCase("masked-nan", 8, causal=True, segments="packed"))
+    q, k, v, dout, _ = self._inputs(case)
+    t = q.shape[1]
+    seg = ((jnp.arange(t) // 5) % 2).astype(jnp.int32)[None]
+    bad = np.asarray(seg[0] == 1)
+    poison = jnp.asarray(bad)[None, :, None, None]
+    q_n, k_n, v_n = (jnp.where(poison, jnp.nan, x) if name == where else x
+                     for name, x in (("q", q), ("k", k), ("v", v)))
+    keep = jnp.asarray(~bad)[None, :, None, None]
+    mesh = self.mesh(case.ring_size)
+
+    def ring(a, b_, c):
+      return ringflash.ring_attention(a, b_, c, mesh=mesh, is_causal=True, segment_ids=seg,
+                                      backend=self.BACKEND,
+                                      block_sizes=self.block_sizes(*(
+                                          [t // case.ring_size] * 2)))
+
+    def grads(attn, q_, k_, v_):
+      def loss(a, b_, c):
+        return jnp.sum(jnp.where(keep, attn(a, b_, c).astype(jnp.float32) * dout, 0.0))
+      return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q_, k_, v_)
+
+    out = np.asarray(jax.jit(ring)(q_n, k_n, v_n), np.float32)
+    assert np.all(np.isfinite(out[0, ~bad])), "NaN reached rows that do not see it"
+    val, got = grads(ring, q_n, k_n, v_n)
+    ref_val, want = grads(lambda a, b_, c: oracle.attention(a, b_, c, causal=True, q_seg=seg,
+                                                            kv_seg=seg)[0], q, k, v)
+    assert np.isfinite(float(val))
+    assert abs(float(val) - float(ref_val)) <= 2e-2 * max(1.0, abs(float(ref_val)))
+    for name, g, r in zip(("dq", "dk", "dv"), got, want):
+      g, r = np.asarray(g, np.float32)[0, ~bad], np.asarray(r, np.float32)[0, ~bad]
+      assert np.all(np.isfinite(g)), f"{name}: NaN reached rows that do not see it"
+      assert np.max(np.abs(g - r)) <= 5e-2 * max(1.0, float(np.max(np.abs(r)))), name
+
+  @pytest.mark.parametrize("where", ["q", "k", "v"])
+  def test_nonfinite_values_a_row_sees_reach_it(self, where):
+    """NaN in one query, key or value entry: every row that sees it is non-finite, and so are
+    the gradients that depend on it; every other row and gradient is finite and exact (no
+    block is dropped as if it had no key)."""
+    self.require("ring")
+    case = self.adapt(RingCase("seen-nan", 4, causal=True))
+    q, k, v, dout, _ = self._inputs(case)
+    t, g = q.shape[1], N // case.kv_heads
+    j0 = t // 2 + 3                                    # a position on the third device
+    bad = {"q": q, "k": k, "v": v}
+    bad[where] = bad[where].at[0, j0, 0, 0].set(jnp.nan)
+    # [T, N]: rows that see the NaN (causal: a key j is seen by rows i >= j of its group)
+    rows = np.arange(t)[:, None]
+    heads = np.arange(N)[None, :]
+    seeing = (rows == j0) & (heads == 0) if where == "q" else (rows >= j0) & (heads < g)
+    mesh = self.mesh(case.ring_size)
+    p = case.ring_size
+
+    def ring(a, b_, c):
+      return ringflash.ring_attention(a, b_, c, mesh=mesh, is_causal=True,
+                                      return_residual=True, backend=self.BACKEND,
+                                      block_sizes=self.block_sizes(t // p, t // p))
+
+    out, lse = (np.asarray(x, np.float32) for x in jax.jit(ring)(bad["q"], bad["k"], bad["v"]))
+    lse = lse[0].T                                                        # [T, N]
+    assert np.all(np.any(~np.isfinite(out[0]), axis=-1)[seeing]), "a row that saw NaN"
+    assert np.all(~np.isfinite(lse[seeing]))
+    assert np.all(np.isfinite(out[0][~seeing])) and np.all(np.isfinite(lse[~seeing]))
+
+    keep = jnp.asarray(~seeing)[None, :, :, None]
+
+    def grads(attn, q_, k_, v_, mask):
+      def loss(a, b_, c):
+        return jnp.sum(jnp.where(mask, attn(a, b_, c)[0].astype(jnp.float32) * dout, 0.0))
+      return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q_, k_, v_)
+
+    def dense(upcast):
+      return lambda a, b_, c: oracle.attention(a, b_, c, causal=True, upcast=upcast)
+
+    # Rows that do not see it: finite and exact, against the oracle on clean inputs (the
+    # NaN entry never matters to them).
+    got = grads(ring, bad["q"], bad["k"], bad["v"], keep)
+    want = grads(dense(True), q, k, v, keep)
+    plain = grads(dense(False), q, k, v, keep)
+    low = jnp.dtype(q.dtype) != jnp.float32
+    for name, gv, w, pl_ in zip(("dq", "dk", "dv"), got, want, plain):
+      assert bool(jnp.all(jnp.isfinite(gv))), f"{name}: NaN reached a gradient it is not in"
+      bound = 3 * helpers.max_err(pl_, w) if low else helpers.fp32_tol(w)
+      assert helpers.max_err(gv, w) <= max(bound, 1e-6), name
+    ref_out = np.asarray(oracle.attention(q, k, v, causal=True)[0], np.float32)
+    plain_out = np.asarray(oracle.attention(q, k, v, causal=True, upcast=False)[0], np.float32)
+    err = np.max(np.abs(out[0][~seeing] - ref_out[0][~seeing]))
+    bound = 2 * np.max(np.abs(plain_out[0] - ref_out[0])) if low else helpers.FP32_TOL * max(
+        1.0, float(np.max(np.abs(ref_out))))
+    assert err <= bound, err
+    # The rows that see it: their gradients are non-finite where they depend on it.
+    dq, dk, dv = (np.asarray(x, np.float32) for x in grads(
+        ring, bad["q"], bad["k"], bad["v"], jnp.asarray(seeing)[None, :, :, None]))
+    assert np.all(np.any(~np.isfinite(dq[0]), axis=-1)[seeing])
+    seen_keys = j0 + 1 if where == "q" else t           # keys seen by some seeing row
+    assert np.all(np.any(~np.isfinite(dv[0, :seen_keys, 0]), axis=-1))
+    assert np.all(np.isfinite(dk[0, :, 1:])) and np.all(np.isfinite(dv[0, :, 1:]))
+    if where == "q":
+      assert np.all(np.isfinite(dk[0, seen_keys:])) and np.all(np.isfinite(dv[0, seen_keys:]))
+
+  def test_lse_cotangent_flows(self):
+    """With return_residual, gradients through lse are exact too."""
+    self.require("ring")
+    case = self.adapt(RingCase("lse", 4, causal=True, kv_heads=1))
+    q, k, v, _, _ = self._inputs(case)
+    p = case.ring_size
+    mesh = self.mesh(p)
+
+    def loss(attn):
+      def f(q, k, v):
+        out, lse = attn(q, k, v)
+        return (jnp.sum(out.astype(jnp.float32) ** 2)
+                + jnp.sum(jnp.where(jnp.isfinite(lse), jnp.sin(lse), 0.0)))
+      return f
+
+    got = jax.jit(jax.grad(loss(lambda q, k, v: ringflash.ring_attention(
+        q, k, v, mesh=mesh, is_causal=True, return_residual=True, backend=self.BACKEND,
+        block_sizes=self.block_sizes(q.shape[1] // p, k.shape[1] // p))),
+        argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(lambda q, k, v: oracle.attention(q, k, v, causal=True)),
+                    argnums=(0, 1, 2))(q, k, v)
+    plain = jax.grad(loss(lambda q, k, v: oracle.attention(q, k, v, causal=True,
+                                                           upcast=False)),
+                     argnums=(0, 1, 2))(q, k, v)
+    for g, w, p in zip(got, want, plain):
+      if jnp.dtype(self.DTYPE) == jnp.float32:
+        assert helpers.max_err(g, w) <= helpers.fp32_tol(w)
+      else:
+        assert helpers.max_err(g, w) <= 3 * helpers.max_err(p, w)
+
+  def test_sharded_entry_inside_callers_shard_map(self):
+    """ring_attention_sharded in the caller's own shard_map (check_vma as the backend
+    needs, SHARD_MAP_CHECK_VMA), against the oracle (forward and gradients)."""
+    self.require("ring", "segments")
+    case = self.adapt(RingCase("sharded", 4, causal=True, segments="packed"))
+    q, k, v, dout, seg = self._inputs(case)
+    mesh = self.mesh(case.ring_size)
+
+    def local(q, k, v, seg):
+      return ringflash.ring_attention_sharded(
+          q, k, v, axis_name="sp", is_causal=True, segment_ids=seg, return_residual=True,
+          backend=self.BACKEND, block_sizes=self.block_sizes(q.shape[1], k.shape[1]))
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 4,
+                       out_specs=(P(None, "sp"), P(None, None, "sp")),
+                       check_vma=self.SHARD_MAP_CHECK_VMA)
+
+    @jax.jit
+    def run(q, k, v, dout, seg):
+      (out, lse), vjp = jax.vjp(lambda a, b_, c: fn(a, b_, c, seg), q, k, v)
+      return (out, lse) + vjp((dout, jnp.zeros_like(lse)))
+
+    got = run(q, k, v, dout, seg)
+    self.check(got, self._oracle(case), self._oracle(case, upcast=False))

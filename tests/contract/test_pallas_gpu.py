@@ -1,0 +1,46 @@
+"""The contract cases on the pallas_gpu backend (tests/contract/base.py).
+
+Its Mosaic GPU kernels need a GPU of compute capability >= 9.0 (they have no CPU
+interpreter), so every case runs on H200s only (JAX_PLATFORMS=cuda) and is skipped elsewhere
+with that reason. bf16 inputs (the kernels take bf16 and fp16), head dim 64, 256 tokens per
+device per unit (tiles of 64-128 rows; a CUDA block covers 128 query rows). A case whose
+ring is larger than the GPUs present runs on a ring of all of them (P = 8 on two H200s runs
+at P = 2), with its global length scaled to match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from contract import base
+
+
+def _hopper_devices():
+  out = []
+  for d in jax.devices():
+    try:
+      if d.platform == "gpu" and int(str(d.compute_capability).split(".")[0]) >= 9:
+        out.append(d)
+    except (AttributeError, ValueError):
+      pass
+  return out
+
+
+class TestPallasGpu(base.ContractTests):
+  BACKEND = "pallas_gpu"
+  DTYPE = jnp.bfloat16
+  LOW_DTYPE = jnp.float16
+  HEAD_DIM = 64
+  UNIT = 256
+  SKIP = None if _hopper_devices() else (
+      "needs a GPU of compute capability >= 9.0 (run with JAX_PLATFORMS=cuda on an H200)")
+
+  def adapt(self, case):
+    return dataclasses.replace(case, ring_size=min(case.ring_size, len(_hopper_devices())))
+
+  def mesh(self, ring_size):
+    return jax.sharding.Mesh(np.array(_hopper_devices()[:ring_size]), ("sp",))

@@ -1,0 +1,19 @@
+"""The contract cases on the pallas_tpu backend, its Mosaic kernels run in Pallas interpret
+mode on the CPU devices (tests/contract/base.py). The default tiles of 16 tokens per device
+are whole local lengths (TPU tiling allows a block equal to the array)."""
+
+from __future__ import annotations
+
+import ringflash
+from contract import base
+
+
+class TestPallasTpu(base.ContractTests):
+  BACKEND = "pallas_tpu"
+  SHARD_MAP_CHECK_VMA = False        # interpret mode (tests/test_ring.py checks the error)
+
+  def block_sizes(self, q_len, kv_len):
+    # Several tiles per block pair where the lengths allow (kernel cases: 256 tokens), the
+    # whole local length otherwise (ring cases: 16 tokens per device).
+    return ringflash.TpuBlockSizes(block_q=64 if q_len % 64 == 0 else None,
+                                   block_k=128 if kv_len % 128 == 0 else None)

@@ -1,0 +1,120 @@
+"""The `ringflash` programs' handling of mistakes: one line and status 2 for a bad flag, before
+any work; status 1 with the error when ringflash's own implementation fails in the bench."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_LIBTPU = importlib.util.find_spec("libtpu") is not None
+
+
+def _run(*args, script=None):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable] + (["-c", script] if script else ["-m", "ringflash.cli"]) + list(args)
+  return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("sub,args,names", [
+    ("plan", ["--seq_len=-8"], "--seq_len"),
+    ("plan", ["--topology=nonsense"], "--topology"),
+    ("plan", ["--topology=v5p:2x2x0"], "--topology"),        # libtpu would abort on the 0
+    ("plan", ["--topology=v5p:2x2x2", "--seq_len=1004"], "--seq_len"),
+    ("plan", ["--heads=32", "--kv_heads=5"], "--kv_heads"),
+    ("plan", ["--head_dim=0"], "--head_dim"),
+    ("plan", ["v5p:2x2x2"], "argument"),
+    ("demo", ["--seq_len=-8"], "--seq_len"),
+    ("demo", ["--seq_len=100"], "--seq_len"),                  # 8 simulated devices
+    ("demo", ["--heads=4", "--kv_heads=3"], "--kv_heads"),
+    ("demo", ["--batch=0"], "--batch"),
+    ("bench", ["--seq_lens=4096,-8"], "--seq_lens"),
+    ("bench", ["--seq_lens=4k"], "--seq_lens"),
+    ("bench", ["--heads=16", "--kv_heads=16,3"], "--kv_heads"),
+    ("bench", ["--causal=true,maybe"], "--causal"),
+    ("bench", ["--impls=ringflash,flash"], "--impls"),
+    ("bench", ["--iters=0"], "--iters"),
+    ("bench", ["--mode=layouts", "--seq_lens=255"], "--seq_lens"),
+    ("bench", ["--mode=kernels", "extra"], "argument"),
+])
+def test_a_bad_flag_is_one_line_and_status_2(sub, args, names):
+  done = _run(sub, *args)
+  assert done.returncode == 2, (done.stdout[-1000:], done.stderr[-2000:])
+  assert "Traceback" not in done.stderr
+  lines = done.stderr.splitlines()
+  assert len(lines) == 1 and lines[0].startswith(f"ringflash {sub}: "), done.stderr[-2000:]
+  assert names in lines[0]
+  assert not done.stdout       # nothing ran
+
+
+@pytest.mark.skipif(not _LIBTPU, reason="needs libtpu (the `tpu` extra) to ask it")
+def test_a_topology_libtpu_rejects_is_a_usage_error():
+  # The form is right and 27648 divides over 27 chips, but v5p hosts hold 2x2x1 chips.
+  done = _run("plan", "--topology=v5p:3x3x3", "--seq_len=27648")
+  assert done.returncode == 2 and "Traceback" not in done.stderr
+  assert done.stderr.splitlines() == [done.stderr.strip()]
+  assert done.stderr.startswith("ringflash plan: --topology=v5p:3x3x3 is not one libtpu knows")
+
+
+_BROKEN_RINGFLASH = """
+import sys
+from ringflash.cli import run
+from ringflash.cli.bench import harness
+
+real = harness.attention_fns
+
+def attention_fns(impl, *args, **kwargs):
+  if impl != "ringflash":
+    return real(impl, *args, **kwargs)
+  def fails(*_):
+    raise NotImplementedError("backend 'pallas_gpu' supports head_dim in (64, 128, 256), "
+                              "got 32\\nsecond line")
+  return fails, fails
+
+harness.attention_fns = attention_fns
+run(["ringflash", "bench"] + sys.argv[1:])
+"""
+
+
+def test_bench_fails_when_ringflash_fails_but_skips_a_failing_peer(tmp_path):
+  done = _run("--mode=kernels", "--seq_lens=128", "--kv_heads=2", "--heads=2", "--head_dim=32",
+              "--causal=true", "--impls=cudnn,xla,ringflash", "--warmup=0", "--iters=1",
+              f"--out={tmp_path}", script=textwrap.dedent(_BROKEN_RINGFLASH))
+  assert done.returncode == 1, done.stderr[-2000:]
+  assert "Traceback" not in done.stderr
+  assert done.stderr.splitlines()[-1] == (
+      "ringflash bench: implementation 'ringflash' failed: NotImplementedError: backend "
+      "'pallas_gpu' supports head_dim in (64, 128, 256), got 32")
+  assert not os.path.exists(tmp_path / "bench_kernels.json")
+
+
+def test_bench_flags_are_checked_in_process():
+  """The checks behind the bench's usage errors, without a process per case."""
+  import types
+
+  from ringflash.cli import UsageError
+  from ringflash.cli import bench
+
+  good = dict(mode="kernels", seq_lens=["128"], gqa_seq_lens=["128"], ring_sizes=["2"],
+              kv_heads=["4", "1"], heads=4, head_dim=32, batch=1, iters=1, warmup=0,
+              xla_max_len=0, run_max_len=0, causal=["True", "false"], impls=["ringflash"],
+              out="bench_out", hlo_dir="", layout="zigzag")
+  bench.check_flags(types.SimpleNamespace(**good))
+  for change, flag in [({"ring_sizes": ["0"]}, "--ring_sizes"),
+                       ({"gqa_seq_lens": []}, "--gqa_seq_lens"),
+                       ({"warmup": -1}, "--warmup"),
+                       ({"batch": 0}, "--batch"),
+                       ({"impls": []}, "--impls"),
+                       ({"mode": "scaling", "seq_lens": ["129"]}, "--seq_lens"),
+                       ({"mode": "longest", "seq_lens": ["129"]}, "--seq_lens")]:
+    with pytest.raises(UsageError, match=flag):
+      bench.check_flags(types.SimpleNamespace(**(good | change)))
+  # odd per-device lengths are fine where nothing cuts them in zigzag chunks
+  for change in ({"seq_lens": ["129"]}, {"mode": "scaling", "seq_lens": ["129"],
+                                         "causal": ["false"]},
+                 {"mode": "longest", "seq_lens": ["129"], "layout": "contiguous"}):
+    bench.check_flags(types.SimpleNamespace(**(good | change)))
