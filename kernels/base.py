@@ -3,14 +3,16 @@
 Every backend module (`xla`, `pallas_tpu`, `pallas_gpu`) implements the same two functions:
 
   forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec) -> (o, lse)
-    q [B, T, N, H], k/v [B, S, K, H] with N % K == 0 (query head n uses kv head n // (N // K));
-    o [B, T, N, H] float32, normalized over this block pair only;
-    lse [B, N, T] float32, natural log of sum_j exp(scale * q.k_j) over the valid keys of this
-    pair, -inf for a row with no valid key (and then o == 0).
+    q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] with N % K == 0 (query head n uses kv
+    head n // (N // K)); the value head dim Hv may differ from H;
+    o [B, T, N, Hv] float32, normalized over this block pair only;
+    lse [B, N, T] float32, natural log of sum_j exp(s_ij) over the valid keys of this pair,
+    with s = scale * q.k_j (soft-capped: spec.softcap * tanh(s / spec.softcap)), -inf for a
+    row with no valid key (and then o == 0).
 
   backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec, dlse=None)
       -> (dq, dk, dv), float32 partial gradients of this block pair;
-    out [B, T, N, H] and lse [B, N, T] are the GLOBAL (merged over all pairs) ones, so that
+    out [B, T, N, Hv] and lse [B, N, T] are the GLOBAL (merged over all pairs) ones, so that
     p = exp(s - lse) is already the final softmax probability of every pair and no partial
     result needs re-normalizing. dlse [B, N, T] float32 is the cotangent of the global lse
     (None means zero).
@@ -58,6 +60,8 @@ class Problem:
     device_kind: e.g. "TPU v5p", "NVIDIA H200" ("" when unknown).
     compute_capability: a GPU's "9.0", else None.
     causal, window, segments: the masks in use.
+    head_dim_v: Hv, the value (and output) head dim; None means H.
+    softcap: the logit soft-cap, or None.
   """
 
   q_len: int
@@ -72,6 +76,13 @@ class Problem:
   causal: bool = False
   window: tuple[int, int] | None = None
   segments: bool = False
+  head_dim_v: int | None = None
+  softcap: float | None = None
+
+  @property
+  def value_dim(self) -> int:
+    """Hv (H when the values share the keys' head dim)."""
+    return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
   @property
   def interpret(self) -> bool:
@@ -93,6 +104,8 @@ class KernelSpec:
     window: None, or (left, right) non-negative ints, jax.nn's `local_window_size`: query
       position i sees key positions j with i - left <= j <= i + right. Example: (3, 2) lets
       query 6 see keys 3..8. Combined with `causal`, the right side is cut at j <= i.
+    softcap: None, or cap > 0: scores are s = cap * tanh(scale * q.k / cap), before the
+      mask (Gemma 2's order); the backward multiplies ds by 1 - (s / cap)^2.
   """
 
   scale: float
@@ -100,6 +113,7 @@ class KernelSpec:
   tiles: object
   interpret: bool = False
   window: tuple[int, int] | None = None
+  softcap: float | None = None
 
   @property
   def block_q(self) -> int:
@@ -110,6 +124,23 @@ class KernelSpec:
   def block_k(self) -> int:
     """The forward's key rows per tile."""
     return self.tiles.block_k
+
+
+def capped(s, spec: KernelSpec):
+  """Scores soft-capped as the spec says: cap * tanh(s / cap), or s itself without a cap.
+  s is the scaled score scale * q.k (float32); the mask applies after this."""
+  if spec.softcap is None:
+    return s
+  return spec.softcap * jnp.tanh(s / spec.softcap)
+
+
+def capped_grad(ds, s_capped, spec: KernelSpec):
+  """dL/d(scale * q.k) from dL/ds of the capped score s_capped = cap * tanh(x / cap):
+  ds * (1 - (s_capped / cap)^2); ds itself without a cap."""
+  if spec.softcap is None:
+    return ds
+  t = s_capped / spec.softcap
+  return ds * (1.0 - t * t)
 
 
 def pair_mask(qp, kp, q_seg, k_seg, *, causal: bool, window):

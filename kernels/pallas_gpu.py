@@ -21,6 +21,8 @@ from ringflash.kernels.tiles import GpuBlockSizes
 from ringflash.kernels import pallas_gpu_common as common
 
 NAME = "pallas_gpu"
+# Local lengths a padded sequence is rounded to (a CUDA block covers 128 query rows).
+LENGTH_MULTIPLE = 128
 
 HEAD_DIMS = (64, 128, 256)
 # Rows per backward tile (query and key) of both backward kernels: the fused Mosaic backward
@@ -46,6 +48,11 @@ def unsupported(problem: base.Problem) -> str | None:
   if _major(problem.compute_capability) < 9:
     return (f"backend {NAME!r} needs a GPU of compute capability >= 9.0 (Hopper), got "
             f"{problem.compute_capability}")
+  if problem.softcap is not None:
+    return f"backend {NAME!r} does not soft-cap logits (logits_soft_cap)"
+  if problem.value_dim != problem.head_dim:
+    return (f"backend {NAME!r} needs the value head dim to equal the query's, got "
+            f"{problem.value_dim} and {problem.head_dim}")
   if problem.head_dim not in HEAD_DIMS:
     return f"backend {NAME!r} supports head_dim in {HEAD_DIMS}, got {problem.head_dim}"
   if jnp.dtype(problem.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):

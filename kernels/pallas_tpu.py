@@ -39,6 +39,8 @@ from ringflash.kernels import base
 from ringflash.kernels.tiles import TpuBlockSizes
 
 NAME = "pallas_tpu"
+# Local lengths a padded sequence is rounded to (a bf16 sublane tile of rows).
+LENGTH_MULTIPLE = 16
 
 # device_kind -> (block_q, block_k, VMEM budget of one kernel in bytes). VMEM per core:
 # v4 16 MiB, v5e / v5p / v6e 128 MiB. block_q is reduced for large GQA groups so that the
@@ -76,6 +78,11 @@ def unsupported(problem: base.Problem) -> str | None:
   if problem.platform not in ("tpu", "cpu"):
     return (f"backend {NAME!r} runs on TPU devices (and, interpreted, on CPU devices), not "
             f"on {problem.platform!r} devices")
+  if problem.softcap is not None:
+    return f"backend {NAME!r} does not soft-cap logits (logits_soft_cap)"
+  if problem.value_dim != problem.head_dim:
+    return (f"backend {NAME!r} needs the value head dim to equal the query's, got "
+            f"{problem.value_dim} and {problem.head_dim}")
   return None
 
 

@@ -16,6 +16,7 @@ from ringflash.kernels import base
 from ringflash.kernels.tiles import XlaBlockSizes
 
 NAME = "xla"
+LENGTH_MULTIPLE = 1         # any local length
 _DEFAULT_BLOCK = 512
 
 
@@ -71,7 +72,8 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   refs = (q, k, v, q_pos, k_pos, q_seg, k_seg)
 
   def empty():
-    return base.filled((b, t, n, h), 0.0, refs), base.filled((b, n, t), -jnp.inf, refs)
+    return (base.filled((b, t, n, v.shape[-1]), 0.0, refs),
+            base.filled((b, n, t), -jnp.inf, refs))
 
   return lax.cond(base.block_may_have_work(q_pos, k_pos, spec, q_seg, k_seg),
                   lambda: forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec), empty)
@@ -81,6 +83,7 @@ def forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   """forward over every tile of the block pair (skipping the empty ones)."""
   b, t, n, h, s, kh, g, bq, bk, nq, nk = _geometry(q, k, spec.tiles.block_q,
                                                     spec.tiles.block_k)
+  hv = v.shape[-1]
   prec = base.matmul_precision(q.dtype)
   q5 = q.reshape(b, t, kh, g, h)
 
@@ -96,9 +99,9 @@ def forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
                         spec)                           # [B|1, bq, bk]
 
       def compute(carry):
-        m, l, acc = carry                               # [B,K,G,bq], [B,K,G,bq], [B,K,G,bq,H]
-        sc = jnp.einsum("bqkgh,bskh->bkgqs", qt, kt, precision=prec,
-                        preferred_element_type=jnp.float32) * spec.scale
+        m, l, acc = carry                               # [B,K,G,bq], [B,K,G,bq], [B,K,G,bq,Hv]
+        sc = base.capped(jnp.einsum("bqkgh,bskh->bkgqs", qt, kt, precision=prec,
+                                    preferred_element_type=jnp.float32) * spec.scale, spec)
         # Masked pairs get -inf by a `where`: a NaN score of a key this row does not see
         # (kernels/base.py, guard_kv) never reaches it.
         sc = jnp.where(valid[:, None, None], sc, -jnp.inf)
@@ -118,15 +121,15 @@ def forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
     refs = (q, k, v, q_pos, k_pos, q_seg, k_seg)
     init = (base.filled((b, kh, g, bq), -jnp.inf, refs),
             base.filled((b, kh, g, bq), 0.0, refs),
-            base.filled((b, kh, g, bq, h), 0.0, refs))
+            base.filled((b, kh, g, bq, hv), 0.0, refs))
     m, l, acc = lax.fori_loop(0, nk, kv_step, init)
     ok = base.has_key(m, l)
     lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
     o = jnp.where(ok[..., None], acc / jnp.where(ok, l, 1.0)[..., None], 0.0)
-    return o.transpose(0, 3, 1, 2, 4), lse              # [B, bq, K, G, H], [B, K, G, bq]
+    return o.transpose(0, 3, 1, 2, 4), lse              # [B, bq, K, G, Hv], [B, K, G, bq]
 
-  o_tiles, lse_tiles = lax.map(q_tile, jnp.arange(nq))  # [nq, B, bq, K, G, H], [nq, B, K, G, bq]
-  o = o_tiles.transpose(1, 0, 2, 3, 4, 5).reshape(b, t, n, h)
+  o_tiles, lse_tiles = lax.map(q_tile, jnp.arange(nq))  # [nq, B, bq, K, G, Hv], [nq, ...]
+  o = o_tiles.transpose(1, 0, 2, 3, 4, 5).reshape(b, t, n, hv)
   lse = lse_tiles.transpose(1, 2, 3, 0, 4).reshape(b, n, t)
   return o, lse
 
@@ -153,15 +156,17 @@ def backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
   """Backward over every tile of the block pair, from the global out and lse.
 
   With p = exp(s - lse) (final probabilities) and D = rowsum(dout * out) - dlse:
-    dv = p^T dout,  dp = dout v^T,  ds = p * (dp - D),  dq = scale ds k,  dk = scale ds^T q.
+    dv = p^T dout,  dp = dout v^T,  ds = p * (dp - D),  dq = scale ds k,  dk = scale ds^T q,
+  where, with a soft-cap, ds is first multiplied by the derivative of the cap (base.capped).
   Outer loop over key tiles (dk, dv of a tile finish in registers of the loop carry), inner
   loop over query tiles accumulating dq into a float32 [B, T, K, G, H] carry.
   """
   b, t, n, h, s, kh, g, bq, bk, nq, nk = _geometry(q, k, spec.tiles.block_q_bwd,
                                                     spec.tiles.block_k_bwd)
+  hv = v.shape[-1]
   prec = base.matmul_precision(q.dtype)
   q5 = q.reshape(b, t, kh, g, h)
-  do5 = dout.reshape(b, t, kh, g, h)
+  do5 = dout.reshape(b, t, kh, g, hv)
   delta = base.softmax_delta(out, dout, dlse).reshape(b, kh, g, t)
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
   lse4 = lse.reshape(b, kh, g, t)
@@ -187,15 +192,16 @@ def backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
         lt = _slice(lse_safe, i * bq, bq, 3)            # [B, K, G, bq]
         okt = _slice(row_ok, i * bq, bq, 3)
         dt = _slice(delta, i * bq, bq, 3)
-        sc = jnp.einsum("bqkgh,bskh->bkgqs", qt, kt, precision=prec,
-                        preferred_element_type=jnp.float32) * spec.scale
+        sc = base.capped(jnp.einsum("bqkgh,bskh->bkgqs", qt, kt, precision=prec,
+                                    preferred_element_type=jnp.float32) * spec.scale, spec)
         keep = valid[:, None, None] & okt[..., None]
         p = jnp.where(keep, jnp.exp(sc - lt[..., None]), 0.0)          # [B, K, G, bq, bk]
         dvt = dvt + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(v.dtype), dot, precision=prec,
                                preferred_element_type=jnp.float32)
         dp = jnp.einsum("bqkgh,bskh->bkgqs", dot, vt, precision=prec,
                         preferred_element_type=jnp.float32)
-        ds = jnp.where(keep, p * (dp - dt[..., None]), 0.0).astype(q.dtype)
+        ds = jnp.where(keep, base.capped_grad(p * (dp - dt[..., None]), sc, spec),
+                       0.0).astype(q.dtype)
         dkt = dkt + spec.scale * jnp.einsum("bkgqs,bqkgh->bskh", ds, qt, precision=prec,
                                             preferred_element_type=jnp.float32)
         dq_t = spec.scale * jnp.einsum("bkgqs,bskh->bqkgh", ds, kt, precision=prec,
@@ -205,14 +211,15 @@ def backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
 
       return lax.cond(jnp.any(valid), compute, lambda c: c, inner)
 
-    zeros_kv = base.filled((b, bk, kh, h), 0.0, refs)
-    dq, dkt, dvt = lax.fori_loop(0, nq, q_step, (dq, zeros_kv, zeros_kv))
+    zeros_k = base.filled((b, bk, kh, h), 0.0, refs)
+    zeros_v = base.filled((b, bk, kh, hv), 0.0, refs)
+    dq, dkt, dvt = lax.fori_loop(0, nq, q_step, (dq, zeros_k, zeros_v))
     dk = lax.dynamic_update_slice_in_dim(dk, dkt, j * bk, 1)
     dv = lax.dynamic_update_slice_in_dim(dv, dvt, j * bk, 1)
     return dq, dk, dv
 
   init = (base.filled((b, t, kh, g, h), 0.0, refs),
           base.filled((b, s, kh, h), 0.0, refs),
-          base.filled((b, s, kh, h), 0.0, refs))
+          base.filled((b, s, kh, hv), 0.0, refs))
   dq, dk, dv = lax.fori_loop(0, nk, kv_tile, init)
   return dq.reshape(b, t, n, h), dk, dv

@@ -104,16 +104,31 @@ def _pieces(kv, parts: int):
   return [(cut(k, p), cut(v, p), cut(kv_seg, p)) for p in range(parts)]
 
 
+def pack(k, v):
+  """K and V as one array, so each step's bulk transfer is one collective-permute (module
+  docstring, "Transfers"): [2, B, S, K, H] when they share a head dim, else [B, S, K, H + Hv]
+  (value head dims of their own, e.g. MLA's 192 / 128). Also used for dK and dV."""
+  if k.shape == v.shape:
+    return jnp.stack([k, v])
+  return jnp.concatenate([k, v], axis=-1)
+
+
+def unpack(kv, head_dim: int):
+  """pack's inverse; head_dim: K's (H)."""
+  if kv.ndim == 5:
+    return kv[0], kv[1]
+  return kv[..., :head_dim], kv[..., head_dim:]
+
+
 def _packed(piece):
-  """(k, v, kv_seg) -> (kv [2, B, S, K, H], kv_seg): K and V travel as one array, so each
-  step's bulk transfer is one collective-permute (module docstring, "Transfers")."""
+  """(k, v, kv_seg) -> (kv, kv_seg), K and V packed."""
   k, v, kv_seg = piece
-  return jnp.stack([k, v]), kv_seg
+  return pack(k, v), kv_seg
 
 
-def _unpacked(piece):
+def _unpacked(piece, head_dim: int):
   kv, kv_seg = piece
-  return kv[0], kv[1], kv_seg
+  return unpack(kv, head_dim) + (kv_seg,)
 
 
 def _phases(plan):
@@ -160,7 +175,7 @@ def step(o, lse, kernel, spec: base.KernelSpec, q, k, v, q_pos, k_pos, q_seg, k_
 
 
 def _forward(q, k, v, q_seg, kv_seg, ring: ring_plan.RingSpec):
-  b, t, n, h = q.shape
+  b, t, n, _ = q.shape
   spec, kernel, axis_name = ring.kernel, get_backend(ring.backend), ring.axis_name
   plan = ring.plan(t, k.shape[1])
   q_pos = local_positions(axis_name, t, ring.layout)
@@ -178,13 +193,14 @@ def _forward(q, k, v, q_seg, kv_seg, ring: ring_plan.RingSpec):
       nxt[i] = lax.ppermute(kvs[i], axis_name,
                             _shift_perm(ring.ring_size, plan.lanes[i].direction))
     for i in computing:
-      k_, v_, ks = _unpacked(kvs[i])
+      k_, v_, ks = _unpacked(kvs[i], k.shape[-1])
       kp = ring_plan.held_positions(plan, i, s, axis_name, k.shape[1])
       # No conditional here: a dead hop is skipped inside the kernel (module docstring).
       o, lse = step(o, lse, kernel, spec, q, k_, v_, q_pos, kp, q_seg, ks)
     return o, lse, tuple(nxt)
 
-  init = (base.filled((b, t, n, h), 0.0, refs), base.filled((b, n, t), -jnp.inf, refs))
+  init = (base.filled((b, t, n, v.shape[-1]), 0.0, refs),
+          base.filled((b, n, t), -jnp.inf, refs))
   kvs = tuple(_packed(pieces[lane.part]) for lane in plan.lanes)
   o, lse, _ = _run_phases(plan, body, init + (kvs,))
   return o.astype(q.dtype), lse
@@ -208,12 +224,12 @@ def _backward(res: Residuals, dout, dlse, ring: ring_plan.RingSpec):
     for i in moving:
       nxt[i] = lax.ppermute(kvs[i], axis_name, _shift_perm(ring_size, plan.lanes[i].direction))
     for i in computing:
-      k_, v_, ks = _unpacked(kvs[i])
+      k_, v_, ks = _unpacked(kvs[i], k.shape[-1])
       kp = ring_plan.held_positions(plan, i, s, axis_name, k.shape[1])
       dq_i, dk_i, dv_i = kernel.backward(q, k_, v_, out, lse, dout, q_pos, kp, q_seg, ks,
                                          spec, dlse=dlse)
       dq = dq + dq_i
-      dkvs[i] = dkvs[i] + jnp.stack([dk_i, dv_i])     # [2, B, S, K, H] float32
+      dkvs[i] = dkvs[i] + pack(dk_i, dv_i)             # float32, packed as K and V
     # Each accumulator travels with its piece, leaving only once this step has added to it.
     for i in moving:
       dkvs[i] = lax.ppermute(dkvs[i], axis_name, _shift_perm(ring_size, plan.lanes[i].direction))
@@ -238,7 +254,7 @@ def _backward(res: Residuals, dout, dlse, ring: ring_plan.RingSpec):
         # can come before this last hop, which then moves half the bytes of float32.
         dkv = dkv.astype(k.dtype)
       dkv = lax.ppermute(dkv, axis_name, _shift_perm(ring_size, shift))
-    dk_l, dv_l = dkv[0], dkv[1]
+    dk_l, dv_l = unpack(dkv, k.shape[-1])
     p = lane.part
     dk_parts[p] = dk_l if dk_parts[p] is None else dk_parts[p] + dk_l
     dv_parts[p] = dv_l if dv_parts[p] is None else dv_parts[p] + dv_l

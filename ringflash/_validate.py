@@ -1,11 +1,16 @@
-"""Input validation for the public API: one place, at trace time, before any collective."""
+"""Input validation for the public API: one place, at trace time, before any collective.
+
+`check_call` checks the arrays and options as the user gives them ([..., T, N, H], lengths,
+sinks, ...) and says how they map onto the canonical [B, T, N, H] problem (`Call`);
+`prepare` then resolves the backend, its tiles and the strategy's static spec. Lower layers
+assert; they do not check again.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -17,28 +22,53 @@ from ringflash.kernels import tiles
 from ringflash.parallel.plan import RingSpec
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+STRATEGIES = ("auto", "ring")
 
 
 @dataclasses.dataclass(frozen=True)
-class Checked:
-  """What validation resolved: everything the ring needs, static."""
+class Call:
+  """One call, checked: how the user's arrays map onto the canonical problem, and options.
 
+  Attributes:
+    lead: the leading batch dims of query ((): the arrays have no batch dim).
+    t, s: query and key lengths as given (global for ring_attention, local for
+      ring_attention_sharded).
+    n, k, h, hv: query heads, kv heads, query/key head dim, value head dim.
+    scale, softcap, window: resolved scores options.
+    layout, bidirectional, is_causal, return_residual: as given, checked.
+    segments, lengths, sinks: which optional arrays were given (q_lengths, kv_lengths).
+  """
+
+  lead: tuple[int, ...]
+  t: int
+  s: int
+  n: int
+  k: int
+  h: int
+  hv: int
+  dtype: jnp.dtype
   scale: float
-  q_seg: jax.Array | None
-  kv_seg: jax.Array | None
+  softcap: float | None
+  window: tuple[int, int] | None
+  layout: str
+  bidirectional: bool
+  is_causal: bool
+  return_residual: bool
+  segments: bool
+  q_lengths: bool
+  kv_lengths: bool
+  sinks: bool
   backend: str
-  layout: str = "contiguous"
-  window: tuple[int, int] | None = None
-  bidirectional: bool = False
-  return_residual: bool = False
+  strategy: str
 
+  @property
+  def batch(self) -> int:
+    return int(np.prod(self.lead, dtype=np.int64)) if self.lead else 1
 
-def _shape(x, name):
-  shape = getattr(x, "shape", None)
-  dtype = getattr(x, "dtype", None)
-  if shape is None or dtype is None:
-    raise ValueError(f"{name} must be an array, got {type(x).__name__}")
-  return tuple(shape), jnp.dtype(dtype)
+  @property
+  def masked_by_ids(self) -> bool:
+    """Whether the kernels see segment ids (user segments, lengths, or padding)."""
+    return self.segments or self.q_lengths or self.kv_lengths
 
 
 def check_flag(name: str, value) -> bool:
@@ -49,24 +79,47 @@ def check_flag(name: str, value) -> bool:
   return bool(value)
 
 
-def check_inputs(query, key, value, *, segment_ids, scale, backend, ring_size: int,
-                 local: bool, layout: str = "contiguous", local_window_size=None,
-                 bidirectional: bool = False, is_causal: bool = False,
-                 return_residual: bool = False) -> Checked:
-  """Checks shapes, dtypes, options; returns resolved values.
+def _shape(x, name):
+  shape = getattr(x, "shape", None)
+  dtype = getattr(x, "dtype", None)
+  if shape is None or dtype is None:
+    raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+  return tuple(shape), jnp.dtype(dtype)
+
+
+def _positive_number(name, value):
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+    raise ValueError(f"{name} must be a Python number, got {type(value).__name__}")
+  value = float(value)
+  if not math.isfinite(value) or value <= 0:
+    raise ValueError(f"{name} must be finite and > 0, got {value}")
+  return value
+
+
+def check_call(query, key, value, *, segment_ids=None, scale=None, backend="auto",
+               ring_size: int, local: bool, layout: str = "contiguous",
+               local_window_size=None, bidirectional=False, is_causal=False,
+               return_residual=False, sinks=None, logits_soft_cap=None,
+               query_seq_lengths=None, key_value_seq_lengths=None, strategy="auto",
+               pads: bool = False) -> Call:
+  """Checks the arrays and options as the user gives them.
 
   Args:
-    query, key, value: the arrays as given ([B, T, N, H], [B, S, K, H], [B, S, K, H]).
-    segment_ids: None, one [B, T] int array, or a pair ([B, T], [B, S]).
-    scale: None or a positive finite number.
+    query: [..., T, N, H] (no, one or several leading batch dims, as jax.nn accepts).
+    key: [..., S, K, H]; value: [..., S, K, Hv], the same leading dims; N % K == 0.
+    segment_ids: None, one [..., T] int array (T == S), or a pair ([..., T], [..., S]).
+    scale, logits_soft_cap: None or a finite number > 0.
     backend: "auto" or one of kernels.BACKENDS.
     ring_size: devices along the ring axis.
-    local: True when the arrays are per-device shards (ring_attention_sharded): then the
-      sequence lengths are local and need not divide by the ring size.
-    layout: "contiguous", "zigzag" or "striped"; zigzag needs global lengths divisible by
-      2 * ring_size (local lengths even).
+    local: the arrays are per-device shards (ring_attention_sharded): lengths are local.
+    layout: "contiguous", "zigzag" or "striped".
     local_window_size: None, int w (meaning (w, w)) or (left, right), non-negative.
-    bidirectional: bool; True needs an even local key length.
+    bidirectional, is_causal, return_residual: bools.
+    sinks: None or a [N] float array.
+    query_seq_lengths, key_value_seq_lengths: None or [...] int arrays (the leading dims).
+    strategy: one of STRATEGIES.
+    pads: the caller pads a contiguous sequence that does not divide by the ring size
+      (ring_attention does; ring_attention_sharded takes shards as they are).
 
   Raises:
     ValueError: naming the argument, with expected vs got.
@@ -76,57 +129,78 @@ def check_inputs(query, key, value, *, segment_ids, scale, backend, ring_size: i
     check_flag(name, flag)
   (qs, qd), (ks, kd), (vs, vd) = (_shape(query, "query"), _shape(key, "key"),
                                   _shape(value, "value"))
-  for name, shape in (("query", qs), ("key", ks), ("value", vs)):
-    if len(shape) != 4:
-      layout = "[B, T, N, H]" if name == "query" else "[B, S, K, H]"
-      raise ValueError(f"{name} must have rank 4 {layout}, got shape {shape}")
+  if len(qs) < 3:
+    raise ValueError(f"query must have rank >= 3 [..., T, N, H], got shape {qs}")
+  for name, shape, form in (("key", ks, "[..., S, K, H]"), ("value", vs, "[..., S, K, Hv]")):
+    if len(shape) != len(qs):
+      raise ValueError(f"{name} must have query's rank {len(qs)} {form}, got shape {shape}")
   for name, dtype in (("query", qd), ("key", kd), ("value", vd)):
     if dtype not in _FLOAT_DTYPES:
       raise ValueError(f"{name}.dtype must be float32, bfloat16 or float16, got {dtype}")
   if kd != qd or vd != qd:
     raise ValueError(f"query, key and value must share a dtype, got query={qd}, key={kd}, "
                      f"value={vd}")
-  if ks != vs:
-    raise ValueError(f"key and value must have the same shape [B, S, K, H], got key={ks}, "
-                     f"value={vs}")
-  b, t, n, h = qs
-  _, s, k, hk = ks
-  if ks[0] != b:
-    raise ValueError(f"key batch must equal query batch: expected {b}, got {ks[0]}")
+  lead, (t, n, h) = qs[:-3], qs[-3:]
+  s, k, hk = ks[-3:]
+  hv = vs[-1]
+  if ks[:-3] != lead:
+    raise ValueError(f"key batch dims must equal query's: expected {lead}, got {ks[:-3]}")
+  if vs[:-1] != ks[:-1]:
+    raise ValueError(f"value must have key's shape but for its head dim ([..., S, K, Hv]), "
+                     f"got key={ks}, value={vs}")
   if hk != h:
     raise ValueError(f"key head_dim must equal query head_dim: expected {h}, got {hk}")
   if k == 0 or n % k:
     raise ValueError(f"query heads N must be a multiple of key heads K (GQA/MQA), got "
                      f"N={n}, K={k}")
-  if min(qs) == 0 or min(ks) == 0:
-    raise ValueError(f"query and key must be non-empty, got query={qs}, key={ks}")
-  if scale is None:
-    scale = 1.0 / math.sqrt(h)
-  else:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
-      raise ValueError(f"scale must be a Python number, got {type(scale).__name__}")
-    scale = float(scale)
-    if not math.isfinite(scale) or scale <= 0:
-      raise ValueError(f"scale must be finite and > 0, got {scale}")
-
-  q_seg, kv_seg = _check_segments(segment_ids, b, t, s)
-
+  if min(qs) == 0 or min(ks) == 0 or hv == 0:
+    raise ValueError(f"query, key and value must be non-empty, got query={qs}, key={ks}, "
+                     f"value={vs}")
+  scale = 1.0 / math.sqrt(h) if scale is None else _positive_number("scale", scale)
+  softcap = None if logits_soft_cap is None else _positive_number("logits_soft_cap",
+                                                                   logits_soft_cap)
+  segments = _check_segments(segment_ids, lead, t, s)
+  for name, lengths in (("query_seq_lengths", query_seq_lengths),
+                        ("key_value_seq_lengths", key_value_seq_lengths)):
+    if lengths is None:
+      continue
+    shape, dtype = _shape(lengths, name)
+    if shape != lead:
+      raise ValueError(f"{name} must have the batch shape {lead}, got {shape}")
+    if not jnp.issubdtype(dtype, jnp.integer):
+      raise ValueError(f"{name} must have an integer dtype, got {dtype}")
+  if sinks is not None:
+    shape, dtype = _shape(sinks, "sinks")
+    if shape != (n,):
+      raise ValueError(f"sinks must have shape [N] = ({n},), one logit per query head, got "
+                       f"{shape}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(f"sinks must have a floating dtype, got {dtype}")
   if backend != "auto" and backend not in BACKENDS:
     raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
+  if strategy not in STRATEGIES:
+    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
 
   scale_t = ring_size if local else 1        # local lengths -> global lengths
   for name, length in (("query", t), ("key", s)):
+    if pads and layout == "contiguous":
+      layouts.check_layout(layout, 1, length)
+      continue
     layouts.check_layout(layout, ring_size, length * scale_t,
                          length_name=f"{name} sequence length" + (
                              f" ({length} per device)" if local else ""))
   window = _check_window(local_window_size, t * scale_t, s * scale_t)
-  local_s = s if local else s // ring_size
-  if bidirectional and ring_size > 1 and local_s % 2:
+  local_s = s if local else -(-s // ring_size)
+  if bidirectional and ring_size > 1 and local_s % 2 and not (pads and layout == "contiguous"):
     raise ValueError(f"bidirectional=True splits each device's keys in two halves; the local "
                      f"key length must be even, got {local_s}")
-  return Checked(scale=scale, q_seg=q_seg, kv_seg=kv_seg, backend=backend, layout=layout,
-                 window=window, bidirectional=bool(bidirectional),
-                 return_residual=bool(return_residual))
+  return Call(lead=lead, t=t, s=s, n=n, k=k, h=h, hv=hv, dtype=qd, scale=scale,
+              softcap=softcap, window=window, layout=layout,
+              bidirectional=bool(bidirectional), is_causal=bool(is_causal),
+              return_residual=bool(return_residual), segments=segments,
+              q_lengths=query_seq_lengths is not None,
+              kv_lengths=key_value_seq_lengths is not None, sinks=sinks is not None,
+              backend=backend, strategy=strategy)
 
 
 def _check_window(local_window_size, t: int, s: int):
@@ -155,6 +229,29 @@ def _check_window(local_window_size, t: int, s: int):
   return (int(min(pair[0], t)), int(min(pair[1], s)))
 
 
+def _check_segments(segment_ids, lead, t, s) -> bool:
+  if segment_ids is None:
+    return False
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError(f"segment_ids must be one [..., T] array or a pair (q_ids [..., T], "
+                       f"kv_ids [..., S]), got a sequence of {len(segment_ids)}")
+    q_ids, kv_ids = segment_ids
+  else:
+    if t != s:
+      raise ValueError(f"segment_ids as one array needs T == S (self-attention); with T={t}, "
+                       f"S={s} pass a pair (q_ids [..., T], kv_ids [..., S])")
+    q_ids = kv_ids = segment_ids
+  for name, ids, expected in (("segment_ids (query)", q_ids, lead + (t,)),
+                              ("segment_ids (key/value)", kv_ids, lead + (s,))):
+    shape, dtype = _shape(ids, name)
+    if shape != expected:
+      raise ValueError(f"{name} must have shape {expected}, got {shape}")
+    if not jnp.issubdtype(dtype, jnp.integer):
+      raise ValueError(f"{name} must have an integer dtype, got {dtype}")
+  return True
+
+
 def tile_units(layout: str, bidirectional: bool, ring_size: int, q_len: int,
                kv_len: int) -> tuple[int, int]:
   """The runs of rows that tiles must divide, from LOCAL lengths: (query, key).
@@ -169,29 +266,6 @@ def tile_units(layout: str, bidirectional: bool, ring_size: int, q_len: int,
   return q_len, kv_len
 
 
-def _check_segments(segment_ids, b, t, s):
-  if segment_ids is None:
-    return None, None
-  if isinstance(segment_ids, (tuple, list)):
-    if len(segment_ids) != 2:
-      raise ValueError(f"segment_ids must be one [B, T] array or a pair (q_ids [B, T], "
-                       f"kv_ids [B, S]), got a sequence of {len(segment_ids)}")
-    q_ids, kv_ids = segment_ids
-  else:
-    if t != s:
-      raise ValueError(f"segment_ids as one array needs T == S (self-attention); with T={t}, "
-                       f"S={s} pass a pair (q_ids [B, T], kv_ids [B, S])")
-    q_ids = kv_ids = segment_ids
-  for name, ids, expected in (("segment_ids (query)", q_ids, (b, t)),
-                              ("segment_ids (key/value)", kv_ids, (b, s))):
-    shape, dtype = _shape(ids, name)
-    if shape != expected:
-      raise ValueError(f"{name} must have shape {expected}, got {shape}")
-    if not jnp.issubdtype(dtype, jnp.integer):
-      raise ValueError(f"{name} must have an integer dtype, got {dtype}")
-  return q_ids, kv_ids
-
-
 # Per platform, the backends "auto" tries, fastest first; it takes the first that supports
 # the call (each backend's `unsupported`; README.md, "Backends", has the table).
 AUTO_ORDER = {"tpu": ("pallas_tpu", "xla"), "gpu": ("pallas_gpu", "xla"), "cpu": ("xla",)}
@@ -204,6 +278,23 @@ def _major(compute_capability) -> int | None:
     return None
 
 
+def candidates(backend: str, platform: str, compute_capability, device_kind: str = ""):
+  """The backends to try, in order: the named one alone, or "auto"'s order.
+
+  Raises:
+    RuntimeError: "auto" on a GPU whose compute capability cannot be read.
+  """
+  if backend != "auto":
+    return (backend,)
+  platform = "gpu" if platform == "cuda" else platform
+  if platform == "gpu" and _major(compute_capability) is None:
+    raise RuntimeError(
+        f"backend='auto' cannot read the compute capability of the GPU ({device_kind!r} "
+        f"reports {compute_capability!r}); name the backend: 'pallas_gpu' (compute "
+        f"capability >= 9.0) or 'xla'")
+  return AUTO_ORDER.get(platform, ("xla",))
+
+
 def resolve_backend(backend: str, problem: base.Problem) -> str:
   """The backend to run: `backend` itself, or for "auto" the fastest that supports the call.
 
@@ -212,70 +303,89 @@ def resolve_backend(backend: str, problem: base.Problem) -> str:
   An explicitly named backend never falls back: it runs the call or raises.
 
   Raises:
-    NotImplementedError: the named backend cannot run `problem` (naming it and the
-      feature).
+    NotImplementedError: no candidate can run `problem` (naming each and the feature).
     RuntimeError: "auto" on a GPU whose compute capability cannot be read.
   """
-  if backend != "auto":
-    reason = get_backend(backend).unsupported(problem)
-    if reason is not None:
-      raise NotImplementedError(reason)
-    return backend
-  platform = "gpu" if problem.platform == "cuda" else problem.platform
-  if platform == "gpu" and _major(problem.compute_capability) is None:
-    raise RuntimeError(
-        f"backend='auto' cannot read the compute capability of the GPU ({problem.device_kind!r}"
-        f" reports {problem.compute_capability!r}); name the backend: 'pallas_gpu' (compute "
-        f"capability >= 9.0) or 'xla'")
   reasons = []
-  for name in AUTO_ORDER.get(platform, ("xla",)):
+  for name in candidates(backend, problem.platform, problem.compute_capability,
+                         problem.device_kind):
     reason = get_backend(name).unsupported(problem)
     if reason is None:
       return name
     reasons.append(reason)
+  if backend != "auto":
+    raise NotImplementedError(reasons[0])
   raise NotImplementedError("no backend runs this call: " + "; ".join(reasons))
 
 
-def prepare(query, key, value, *, segment_ids, scale, backend: str, block_sizes, is_causal,
-            layout: str, local_window_size, bidirectional, ring_size: int, local: bool,
-            axis_name: str, platform: str, device,
-            return_residual: bool = False) -> tuple[Checked, RingSpec]:
-  """Everything both entry points check and resolve before the ring, once.
+def padded_local(length: int, ring_size: int, multiple: int) -> int:
+  """The per-device length a contiguous sequence of `length` tokens is padded to: the
+  smallest multiple of `multiple` with ring_size of them covering it."""
+  per = -(-length // ring_size)
+  return -(-per // multiple) * multiple
 
-  Args:
-    query, key, value, segment_ids, scale, backend, block_sizes, is_causal, layout,
-      local_window_size, bidirectional: as the public API takes them.
-    ring_size: devices along the ring axis.
-    local: the arrays are per-device shards (ring_attention_sharded).
-    axis_name: the ring's mesh axis.
-    platform, device: where the attention runs (the mesh's devices).
 
-  Returns:
-    (Checked, the RingSpec the ring runs).
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """What `prepare` resolved: the spec the strategy runs and the padded local lengths."""
+
+  ring: RingSpec
+  t_local: int              # per device, after padding (ring_attention_sharded: as given)
+  s_local: int
+
+  @property
+  def backend(self) -> str:
+    return self.ring.backend
+
+
+def prepare(call: Call, *, block_sizes, ring_size: int, local: bool, axis_name, platform: str,
+            device) -> Prepared:
+  """Resolves the backend (the fastest that runs the call, or the named one), its tiles, the
+  padding of a contiguous sequence and the ring's static spec, once.
+
+  With ring_attention (not local) and the contiguous layout, a length that does not divide
+  by the ring size is padded: each device's share is rounded up to the backend's
+  LENGTH_MULTIPLE (the smallest local length its kernels tile), so that "auto" keeps the
+  native kernel where padding lets it run.
 
   Raises:
-    ValueError: naming the argument, before any collective.
+    ValueError: naming block_sizes, when its sizes do not fit.
     NotImplementedError: the backend cannot run this call.
   """
-  checked = check_inputs(query, key, value, segment_ids=segment_ids, scale=scale,
-                         backend=backend, ring_size=ring_size, local=local, layout=layout,
-                         local_window_size=local_window_size, bidirectional=bidirectional,
-                         is_causal=is_causal, return_residual=return_residual)
-  per_device = 1 if local else ring_size
-  q_unit, kv_unit = tile_units(checked.layout, checked.bidirectional, ring_size,
-                               query.shape[1] // per_device, key.shape[1] // per_device)
-  problem = base.Problem(
-      q_len=q_unit, kv_len=kv_unit, head_dim=query.shape[3], kv_heads=key.shape[2],
-      group=query.shape[2] // key.shape[2], dtype=jnp.dtype(query.dtype), platform=platform,
-      device_kind=getattr(device, "device_kind", "") or "",
-      compute_capability=getattr(device, "compute_capability", None),
-      causal=bool(is_causal), window=checked.window, segments=checked.q_seg is not None)
-  name = resolve_backend(checked.backend, problem)
-  spec = resolve_spec(get_backend(name), problem, scale=checked.scale,
-                      block_sizes=block_sizes)
-  ring = RingSpec(kernel=spec, backend=name, axis_name=axis_name, ring_size=ring_size,
-                  layout=checked.layout, bidirectional=checked.bidirectional)
-  return checked, ring
+  device_kind = getattr(device, "device_kind", "") or ""
+  cc = getattr(device, "compute_capability", None)
+  reasons = []
+  for name in candidates(call.backend, platform, cc, device_kind):
+    kernel = get_backend(name)
+    if local:
+      t_local, s_local = call.t, call.s
+    elif call.layout == "contiguous":
+      multiple = getattr(kernel, "LENGTH_MULTIPLE", 1)
+      if call.bidirectional and ring_size > 1:
+        multiple = math.lcm(multiple, 2)
+      t_local = padded_local(call.t, ring_size, multiple)
+      s_local = padded_local(call.s, ring_size, multiple)
+    else:
+      t_local, s_local = call.t // ring_size, call.s // ring_size
+    q_unit, kv_unit = tile_units(call.layout, call.bidirectional, ring_size, t_local,
+                                 s_local)
+    padded = not local and (t_local * ring_size != call.t or s_local * ring_size != call.s)
+    problem = base.Problem(
+        q_len=q_unit, kv_len=kv_unit, head_dim=call.h, kv_heads=call.k,
+        group=call.n // call.k, dtype=call.dtype, platform=platform, device_kind=device_kind,
+        compute_capability=cc, causal=call.is_causal, window=call.window,
+        segments=call.masked_by_ids or padded, head_dim_v=call.hv, softcap=call.softcap)
+    reason = kernel.unsupported(problem)
+    if reason is not None:
+      reasons.append(reason)
+      continue
+    spec = resolve_spec(kernel, problem, scale=call.scale, block_sizes=block_sizes)
+    ring = RingSpec(kernel=spec, backend=name, axis_name=axis_name, ring_size=ring_size,
+                    layout=call.layout, bidirectional=call.bidirectional)
+    return Prepared(ring=ring, t_local=t_local, s_local=s_local)
+  if call.backend != "auto":
+    raise NotImplementedError(reasons[0])
+  raise NotImplementedError("no backend runs this call: " + "; ".join(reasons))
 
 
 def resolve_spec(kernel, problem: base.Problem, *, scale: float,
@@ -295,4 +405,4 @@ def resolve_spec(kernel, problem: base.Problem, *, scale: float,
   resolved = kernel.resolve_tiles(block_sizes, problem)
   return base.KernelSpec(scale=scale, causal=problem.causal, tiles=resolved,
                          interpret=kernel.NAME != "xla" and problem.interpret,
-                         window=problem.window)
+                         window=problem.window, softcap=problem.softcap)

@@ -13,7 +13,10 @@ from jax.interpreters import ad
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ringflash import _inputs
 from ringflash import _validate
+from ringflash.parallel.plan import device_positions
+from ringflash.parallel.plan import layout_positions
 from ringflash.parallel.ring import ring_attention_local
 
 
@@ -22,27 +25,32 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
                    return_residual: bool = False, backend: str = "auto",
                    block_sizes=None, layout: str = "contiguous",
                    local_window_size: int | tuple[int, int] | None = None,
-                   bidirectional: bool = False):
+                   bidirectional: bool = False, sinks=None,
+                   logits_soft_cap: float | None = None, query_seq_lengths=None,
+                   key_value_seq_lengths=None, strategy: str = "auto"):
   """Exact attention with the sequence sharded over a ring of devices.
 
-  Semantics of `jax.nn.dot_product_attention` (BTNH layout, GQA/MQA when N % K == 0), except
-  that a query row with no valid key gives 0 (lse -inf, zero gradients). With `is_causal` and
+  Semantics of `jax.nn.dot_product_attention` (BTNH layout with no, one or several leading
+  batch dims, GQA/MQA when N % K == 0, `*_seq_lengths`, `local_window_size`), except that a
+  query row with no valid key gives 0 (lse -inf, zero gradients). With `is_causal` and
   T != S, query i sees keys j <= i (jax.nn's top-left alignment).
 
   Args:
-    query: [B, T, N, H].
-    key: [B, S, K, H], N % K == 0.
-    value: [B, S, K, H].
+    query: [..., T, N, H].
+    key: [..., S, K, H], N % K == 0, the same leading dims.
+    value: [..., S, K, Hv]; Hv may differ from H (e.g. MLA's 192 / 128).
     mesh: the device mesh; None builds a 1-D mesh over jax.devices() named `axis_name`.
     axis_name: the mesh axis the sequence is sharded over (the ring). Other mesh axes are
       honoured: batch and heads keep the sharding the inputs carry (visible on concrete
       arrays and, inside jit, on meshes with explicit axes); the output keeps it.
     is_causal: mask keys after the query position.
     scale: multiplier of q.k; default 1/sqrt(H).
-    segment_ids: [B, T] int (self-attention, T == S) or a pair (q_ids [B, T], kv_ids [B, S]);
-      a query attends only keys of its own segment id.
-    return_residual: also return lse [B, N, T] float32.
-    backend: "auto" (native kernel of the mesh's devices), "xla", "pallas_tpu", "pallas_gpu".
+    segment_ids: [..., T] int (self-attention, T == S) or a pair (q_ids [..., T],
+      kv_ids [..., S]); a query attends only keys of its own segment id. Ids must lie
+      strictly between the smallest and the largest int32 (those two mark padding).
+    return_residual: also return lse [..., N, T] float32 (with sinks: including them).
+    backend: "auto" (the fastest backend that runs the call on the mesh's devices), "xla",
+      "pallas_tpu", "pallas_gpu" (a named backend never falls back).
     block_sizes: the running backend's tile configuration (ringflash.XlaBlockSizes,
       TpuBlockSizes or GpuBlockSizes); None for its defaults.
     layout: how the sequence axis of every input (and segment ids, and the output) is laid
@@ -55,14 +63,26 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
     bidirectional: split K/V in two halves that travel around the ring in opposite
       directions (both links of a bidirectional ring busy, half the bytes on each); same
       result. A window that already shortens the ring keeps its own schedule.
+    sinks: None or [N] float: per query head, a logit that joins every row's softmax
+      denominator once and carries no value (gpt-oss); differentiable.
+    logits_soft_cap: None or cap > 0: scores become cap * tanh(scale * q.k / cap) before
+      masking (Gemma 2).
+    query_seq_lengths, key_value_seq_lengths: None or [...] int32 per batch row: keys at or
+      past the length are masked, query rows at or past it give 0; whole tiles and ring
+      hops past the lengths are skipped.
+    strategy: "auto" or "ring".
+
+  A contiguous sequence whose length does not divide by the ring size is padded inside
+  (keys past the length masked, output trimmed).
 
   Returns:
-    out [B, T, N, H] in query's dtype, sequence-sharded over `axis_name`; with
+    out [..., T, N, Hv] in query's dtype, sequence-sharded over `axis_name`; with
     return_residual, (out, lse).
 
   Raises:
     ValueError: on any invalid argument, naming it, before any collective runs.
-    NotImplementedError: the backend cannot run this call (naming it and the feature).
+    NotImplementedError: the backend cannot run this call (naming it and the feature), or
+      forward-mode differentiation.
   """
   if mesh is None:
     mesh = _default_mesh(axis_name)
@@ -76,20 +96,22 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
                      return_residual=return_residual, backend=backend,
                      block_sizes=block_sizes, layout=layout,
                      local_window_size=_frozen(local_window_size),
-                     bidirectional=bidirectional)
+                     bidirectional=bidirectional, logits_soft_cap=logits_soft_cap,
+                     strategy=strategy)
+  arrays = (query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths, sinks)
   try:
     fn = _program(mesh, batch, heads, options, _types(options))
   except TypeError:       # an unhashable option: no cache; validation names it
     fn = functools.partial(_ring_attention, mesh=mesh, batch=batch, heads=heads,
                            options=options)
-  with _forward_mode_error(query, key, value):
-    return fn(query, key, value, segment_ids)
+  with _forward_mode_error(query, key, value, sinks):
+    return fn(*arrays)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-  """ring_attention's keyword options, as given (validated when traced): part of the key of
-  the cache of compiled programs."""
+  """ring_attention's keyword options (all but the arrays), as given (validated when traced):
+  part of the key of the cache of compiled programs."""
 
   axis_name: str
   is_causal: bool
@@ -100,6 +122,8 @@ class _Options:
   layout: str
   local_window_size: object
   bidirectional: bool
+  logits_soft_cap: float | None
+  strategy: str
 
 
 def _frozen(x):
@@ -157,20 +181,33 @@ def _forward_mode_error(*arrays):
     raise NotImplementedError(_FORWARD_MODE) from None
 
 
-def _ring_attention(query, key, value, segment_ids, *, mesh: Mesh, batch, heads,
+def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
+                    key_value_seq_lengths, sinks, *, mesh: Mesh, batch, heads,
                     options: _Options):
-  """ring_attention's body: validate, then the ring under shard_map."""
+  """ring_attention's body: validate, map onto [B, T, N, H], the ring under shard_map."""
   axis_name = options.axis_name
   ring_size = mesh.shape[axis_name]
   device = mesh.devices.flat[0]
-  checked, ring = _validate.prepare(
+  call = _validate.check_call(
       query, key, value, segment_ids=segment_ids, scale=options.scale,
-      backend=options.backend, block_sizes=options.block_sizes, is_causal=options.is_causal,
-      layout=options.layout, local_window_size=options.local_window_size,
-      bidirectional=options.bidirectional, return_residual=options.return_residual,
-      ring_size=ring_size, local=False, axis_name=axis_name, platform=device.platform,
-      device=device)
-  _check_divisible(query, key, mesh, batch, heads)
+      backend=options.backend, ring_size=ring_size, local=False, layout=options.layout,
+      local_window_size=options.local_window_size, bidirectional=options.bidirectional,
+      is_causal=options.is_causal, return_residual=options.return_residual, sinks=sinks,
+      logits_soft_cap=options.logits_soft_cap, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, strategy=options.strategy, pads=True)
+  prepared = _validate.prepare(call, block_sizes=options.block_sizes, ring_size=ring_size,
+                               local=False, axis_name=axis_name, platform=device.platform,
+                               device=device)
+  ring = prepared.ring
+  t_len, s_len = prepared.t_local * ring_size, prepared.s_local * ring_size
+  q_pos = k_pos = None
+  if call.layout != "contiguous":       # rows in layout order: their natural positions
+    q_pos = layout_positions(call.layout, ring_size, t_len).reshape(-1)
+    k_pos = layout_positions(call.layout, ring_size, s_len).reshape(-1)
+  q, k, v, q_seg, kv_seg = _inputs.canonical(
+      call, query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths,
+      t_len=t_len, s_len=s_len, q_pos=q_pos, k_pos=k_pos)
+  _check_divisible(q, k, mesh, batch, heads)
 
   x_spec = P(batch, axis_name, heads, None)
   seg_spec = P(batch, axis_name)
@@ -182,13 +219,13 @@ def _ring_attention(query, key, value, segment_ids, *, mesh: Mesh, batch, heads,
   # "dynamic_slice requires varying manual axes to match").
   shard_map = functools.partial(jax.shard_map, mesh=mesh, out_specs=out_specs,
                                 check_vma=not ring.kernel.interpret)
-  if checked.q_seg is None:
+  if q_seg is None:
     fn = shard_map(lambda q, k, v: local(q, k, v, None, None), in_specs=(x_spec,) * 3)
-    out, lse = fn(query, key, value)
+    out, lse = fn(q, k, v)
   else:
     fn = shard_map(local, in_specs=(x_spec,) * 3 + (seg_spec,) * 2)
-    out, lse = fn(query, key, value, checked.q_seg, checked.kv_seg)
-  return (out, lse) if checked.return_residual else out
+    out, lse = fn(q, k, v, q_seg, kv_seg)
+  return _inputs.finish(call, out, lse, sinks)
 
 
 def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool = False,
@@ -196,27 +233,31 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
                            return_residual: bool = False, backend: str = "auto",
                            block_sizes=None, layout: str = "contiguous",
                            local_window_size: int | tuple[int, int] | None = None,
-                           bidirectional: bool = False):
+                           bidirectional: bool = False, sinks=None,
+                           logits_soft_cap: float | None = None, query_seq_lengths=None,
+                           key_value_seq_lengths=None, strategy: str = "auto"):
   """ring_attention on local shards, for use inside the caller's shard_map.
 
-  The caller's shard_map must map `axis_name` with the sequence (dim 1 of every array)
-  split over it in device order: device i's shard is slice i of the (layout-ordered)
-  sequence, natural order for the contiguous layout; batch and heads may be split over
-  other axes as the caller likes.
+  The caller's shard_map must map `axis_name` with the sequence (the axis before heads of
+  every array) split over it in device order: device i's shard is slice i of the
+  (layout-ordered) sequence, natural order for the contiguous layout; batch and heads may
+  be split over other axes as the caller likes.
 
   Args:
-    query: [B, T_local, N, H] this device's shard.
-    key, value: [B, S_local, K, H].
+    query: [..., T_local, N, H] this device's shard.
+    key: [..., S_local, K, H]; value: [..., S_local, K, Hv].
     axis_name: the manual mesh axis forming the ring.
     is_causal, scale, segment_ids, return_residual, backend, block_sizes, layout,
-      local_window_size, bidirectional: as ring_attention, with local shapes (zigzag needs
-      even local lengths; window bounds are in global positions).
+      local_window_size, bidirectional, sinks, logits_soft_cap, query_seq_lengths,
+      key_value_seq_lengths, strategy: as ring_attention, with local shapes (zigzag needs
+      even local lengths; window bounds and sequence lengths are global).
 
   Returns:
-    out [B, T_local, N, H] (and lse [B, N, T_local] float32 with return_residual).
+    out [..., T_local, N, Hv] (and lse [..., N, T_local] float32 with return_residual).
 
   Raises:
     ValueError: on any invalid argument, or when axis_name is not a bound mesh axis.
+    NotImplementedError: as ring_attention.
   """
   try:
     ring_size = lax.axis_size(axis_name)
@@ -224,21 +265,28 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
     raise ValueError(f"axis_name {axis_name!r} is not a bound mesh axis here; call "
                      f"ring_attention_sharded inside shard_map over it") from err
   platform, device = _current_platform()
-  checked, ring = _validate.prepare(
+  call = _validate.check_call(
       query, key, value, segment_ids=segment_ids, scale=scale, backend=backend,
-      block_sizes=block_sizes, is_causal=is_causal, layout=layout,
-      local_window_size=local_window_size, bidirectional=bidirectional,
-      return_residual=return_residual, ring_size=ring_size, local=True, axis_name=axis_name,
-      platform=platform, device=device)
+      ring_size=ring_size, local=True, layout=layout, local_window_size=local_window_size,
+      bidirectional=bidirectional, is_causal=is_causal, return_residual=return_residual,
+      sinks=sinks, logits_soft_cap=logits_soft_cap, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, strategy=strategy)
+  ring = _validate.prepare(call, block_sizes=block_sizes, ring_size=ring_size, local=True,
+                           axis_name=axis_name, platform=platform, device=device).ring
   if ring.kernel.interpret and _varying(query):
     raise ValueError(
         f"backend {ring.backend!r} runs its Pallas kernels in interpret mode on CPU devices, "
         f"which cannot check mesh-axis types: call ring_attention_sharded inside "
         f"jax.shard_map(..., check_vma=False) there (on TPUs and GPUs the default works)")
-  with _forward_mode_error(query, key, value):
-    out, lse = ring_attention_local(query, key, value, checked.q_seg, checked.kv_seg,
-                                    ring=ring)
-  return (out, lse) if checked.return_residual else out
+  index = lax.axis_index(axis_name)
+  q_pos = device_positions(call.layout, index, ring_size, call.t)
+  k_pos = device_positions(call.layout, index, ring_size, call.s)
+  q, k, v, q_seg, kv_seg = _inputs.canonical(
+      call, query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths,
+      t_len=call.t, s_len=call.s, q_pos=q_pos, k_pos=k_pos)
+  with _forward_mode_error(query, key, value, sinks):
+    out, lse = ring_attention_local(q, k, v, q_seg, kv_seg, ring=ring)
+  return _inputs.finish(call, out, lse, sinks)
 
 
 def _varying(x) -> bool:
@@ -267,7 +315,8 @@ def _outer_axes(query, mesh: Mesh, axis_name: str):
   mesh with Auto axes nothing is visible: batch and heads are then taken as unsharded over
   the other axes (the compiler reshards to match); use an explicit mesh there, or call
   ring_attention_sharded inside your own shard_map. The ring axis is never taken for batch
-  or heads.
+  or heads. Several leading batch dims are flattened into one, major first: their axes
+  together shard it.
   """
   spec = None
   sharding = getattr(query, "sharding", None) if not isinstance(query, jax.core.Tracer) else None
@@ -281,18 +330,21 @@ def _outer_axes(query, mesh: Mesh, axis_name: str):
     if typed is not None and tuple(getattr(typed.mesh, "axis_names", ())) == tuple(
         mesh.axis_names):
       spec = typed.spec
-  if spec is None:
+  rank = len(getattr(query, "shape", ()))
+  if spec is None or rank < 3:
     return None, None
-  entries = tuple(spec) + (None,) * (4 - len(tuple(spec)))
+  entries = tuple(spec) + (None,) * (rank - len(tuple(spec)))
 
-  def without_ring(entry):
+  def names(entry):
     if entry is None:
-      return None
-    names = (entry,) if isinstance(entry, str) else tuple(entry)
-    names = tuple(a for a in names if a != axis_name)
-    return None if not names else names[0] if len(names) == 1 else names
+      return ()
+    return tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a != axis_name)
 
-  return without_ring(entries[0]), without_ring(entries[2])
+  def entry_of(axes):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+  batch = tuple(a for e in entries[:rank - 3] for a in names(e))
+  return entry_of(batch), entry_of(names(entries[rank - 2]))
 
 
 def _check_divisible(query, key, mesh: Mesh, batch, heads):

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ringflash import _validate
+from ringflash.kernels import BACKENDS as _BACKENDS
 from ringflash.kernels import get_backend
 from ringflash.parallel import ring as _ring
 from ringflash.parallel.plan import RingPlan as RingPlan
@@ -26,6 +27,8 @@ from ringflash.parallel.plan import RingSpec as RingSpec
 from ringflash.parallel.plan import balance_block as balance_block
 from ringflash.parallel.plan import layout_positions as layout_positions
 from ringflash.parallel.plan import work_table as work_table
+
+BACKENDS = ("auto",) + _BACKENDS
 
 
 def ring_spec(query, key, value, *, ring_size: int, device, axis_name: str = "sp",
@@ -45,11 +48,12 @@ def ring_spec(query, key, value, *, ring_size: int, device, axis_name: str = "sp
   Raises:
     ValueError, NotImplementedError: as ring_attention_sharded.
   """
-  _, ring = _validate.prepare(
+  call = _validate.check_call(
       query, key, value, segment_ids=segment_ids, scale=scale, backend=backend,
-      block_sizes=block_sizes, is_causal=is_causal, layout=layout,
-      local_window_size=local_window_size, bidirectional=bidirectional, ring_size=ring_size,
-      local=True, axis_name=axis_name, platform=device.platform, device=device)
+      ring_size=ring_size, local=True, layout=layout, local_window_size=local_window_size,
+      bidirectional=bidirectional, is_causal=is_causal)
+  ring = _validate.prepare(call, block_sizes=block_sizes, ring_size=ring_size, local=True,
+                           axis_name=axis_name, platform=device.platform, device=device).ring
   return ring
 
 
@@ -84,5 +88,5 @@ def device_steps(ring: RingSpec):
   return steps
 
 
-__all__ = ["RingPlan", "RingSpec", "balance_block", "device_steps", "held_source", "layout_positions", "plan",
+__all__ = ["BACKENDS", "RingPlan", "RingSpec", "balance_block", "device_steps", "held_source", "layout_positions", "plan",
            "ring_spec", "work_table"]

@@ -243,7 +243,7 @@ def _call(t=64, ring_size=4, **kw):
     (dict(local_window_size=True), "local_window_size"),
     (dict(local_window_size=(4, -2)), "local_window_size"),
     (dict(bidirectional="yes"), "bidirectional"),
-    (dict(bidirectional=True, t=36), "bidirectional"),
+    (dict(bidirectional=True, t=36, layout="striped"), "bidirectional"),
     (dict(bidirectional=True, block_sizes=XlaBlockSizes(8, 16)),
      "block_sizes.block_k"),
 ])

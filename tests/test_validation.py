@@ -24,15 +24,25 @@ def _arrays(t=T, s=T, n=N, k=K, h=H, dtype=F32, b=B, kb=None, kh=None, vdtype=No
 
 BAD = [
     # (id, arrays kwargs, call kwargs, message fragment)
-    ("query-rank", dict(), dict(query=jnp.zeros((B, T, H))), "query must have rank 4"),
-    ("key-rank", dict(), dict(key=jnp.zeros((B, T, K))), "key must have rank 4"),
+    ("query-rank", dict(), dict(query=jnp.zeros((T, H))), "query must have rank >= 3"),
+    ("key-rank", dict(), dict(key=jnp.zeros((B, 1, T, K, H))), "key must have query's rank"),
+    ("value-shape", dict(), dict(value=jnp.zeros((B, T, K + 1, H))), "value must have key's"),
     ("batch", dict(kb=2), dict(), "key batch"),
     ("head-dim", dict(kh=8), dict(), "head_dim"),
     ("dtype-mismatch", dict(vdtype=jnp.bfloat16), dict(), "share a dtype"),
     ("int-dtype", dict(dtype=jnp.int32), dict(), "query.dtype"),
     ("gqa", dict(n=4, k=3), dict(), "multiple of key heads"),
-    ("seq-ring", dict(t=60, s=60), dict(), "divisible by the ring size 8"),
-    ("kv-seq-ring", dict(s=68), dict(), "key sequence length 68"),
+    ("seq-zigzag", dict(t=56, s=56), dict(layout="zigzag"), "divisible by 2 * ring_size = 16"),
+    ("kv-seq-striped", dict(s=68), dict(layout="striped"), "key sequence length 68"),
+    ("sinks-shape", dict(), dict(sinks=jnp.zeros((K,))), "sinks must have shape [N]"),
+    ("sinks-dtype", dict(), dict(sinks=jnp.zeros((N,), jnp.int32)), "sinks must have a floating"),
+    ("softcap-neg", dict(), dict(logits_soft_cap=-1.0), "logits_soft_cap"),
+    ("softcap-type", dict(), dict(logits_soft_cap="30"), "logits_soft_cap"),
+    ("lengths-shape", dict(), dict(query_seq_lengths=jnp.zeros((B, 1), jnp.int32)),
+     "query_seq_lengths must have the batch shape"),
+    ("lengths-dtype", dict(), dict(key_value_seq_lengths=jnp.zeros((B,), jnp.float32)),
+     "key_value_seq_lengths must have an integer dtype"),
+    ("strategy", dict(), dict(strategy="tree"), "strategy"),
     ("axis", dict(), dict(axis_name="seq"), "axis_name 'seq'"),
     ("seg-shape", dict(), dict(segment_ids=jnp.zeros((B, T + 8), jnp.int32)), "segment_ids"),
     ("seg-dtype", dict(), dict(segment_ids=jnp.zeros((B, T), jnp.float32)), "integer dtype"),
@@ -100,7 +110,8 @@ def test_errors_come_before_any_collective():
   q, key, v = _arrays(t=60, s=60)
   mesh = helpers.mesh_of(8)
   with pytest.raises(ValueError, match="divisible"):
-    jax.jit(lambda q, k, v: ringflash.ring_attention(q, k, v, mesh=mesh)).trace(q, key, v)
+    jax.jit(lambda q, k, v: ringflash.ring_attention(q, k, v, mesh=mesh,
+                                                     layout="zigzag")).trace(q, key, v)
 
 
 def test_sharded_variant_validates_axis_and_shapes():

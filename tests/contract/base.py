@@ -83,6 +83,60 @@ KERNEL_CASES = [
     ("mqa-cross", 1, 8, 16, 4, 1, True, 4, False),
 ]
 
+@dataclasses.dataclass(frozen=True)
+class VocabCase:
+  """A call with the vocabulary of real models: sinks, soft-cap, head dims, value head dims,
+  sequence lengths, batch dims, lengths that do not divide by the ring. Lengths as RingCase;
+  `trim` tokens are cut from the end of a contiguous sequence (uneven lengths); `lead` are
+  the batch dims (() for none)."""
+
+  name: str
+  ring_size: int
+  kv_heads: int = 2
+  causal: bool = True
+  layout: str = "contiguous"
+  window: int | tuple[int, int] | None = None
+  segments: bool = False
+  bidirectional: bool = False
+  head_dim: int | None = None          # None: the backend's HEAD_DIM
+  head_dim_v: int | None = None        # None: the head dim
+  softcap: float | None = None
+  sinks: bool = False
+  lengths: bool = False
+  lead: tuple[int, ...] = (2,)
+  trim: int = 0
+  t: int = 1
+  s: int = 1
+
+  def __str__(self):
+    return self.name
+
+
+VOCAB_CASES = [
+    VocabCase("sinks-gqa-P4", 4, sinks=True),
+    VocabCase("softcap-P4", 4, softcap=2.0, kv_heads=4),
+    VocabCase("sinks-softcap-window-zigzag-P4", 4, layout="zigzag", sinks=True, softcap=3.0,
+              window=(20, 0)),
+    VocabCase("mla-192-128-P2", 2, head_dim=192, head_dim_v=128, lead=(1,)),
+    VocabCase("value-64-128-P4", 4, head_dim=64, head_dim_v=128, causal=False, lead=(1,)),
+    VocabCase("head-dim-80-P4", 4, head_dim=80, lead=(1,)),
+    VocabCase("head-dim-96-seg-P2", 2, head_dim=96, segments=True, causal=False, lead=(1,)),
+    VocabCase("lengths-P4", 4, lengths=True),
+    VocabCase("uneven-seg-P8", 8, trim=5, segments=True, causal=False, lead=(1,)),
+    VocabCase("batch-dims-2x2-P2", 2, lead=(2, 2), sinks=True),
+    VocabCase("no-batch-dim-P2", 2, lead=()),
+    VocabCase("everything-P4", 4, sinks=True, softcap=2.5, head_dim_v=48, lengths=True,
+              window=(24, 4), segments=True, bidirectional=True, trim=3),
+]
+
+SLOW_VOCAB_CASES = [
+    VocabCase("striped-sinks-lengths-P8", 8, layout="striped", sinks=True, lengths=True),
+    VocabCase("mqa-softcap-uneven-P8", 8, kv_heads=1, softcap=1.0, trim=7, t=2, s=2),
+    VocabCase("head-dim-112-sinks-P4", 4, head_dim=112, sinks=True, causal=False),
+    VocabCase("mla-192-128-softcap-lengths-P4", 4, head_dim=192, head_dim_v=128, softcap=4.0,
+              lengths=True),
+]
+
 SLOW_RING_CASES = [
     RingCase("striped-window-bidi-P8", 8, causal=True, segments="packed", layout="striped",
              window=(20, 0), bidirectional=True),
@@ -104,7 +158,9 @@ class ContractTests:
       of it for zigzag and bidirectional).
     FEATURES: what the backend claims, of "window", "segments", "layouts", "bidirectional",
       "cross" (T != S), "ring" (runs inside ring_attention on this host's devices),
-      "kernel" (its forward/backward callable on this host).
+      "kernel" (its forward/backward callable on this host), "softcap", "value_dim" (Hv !=
+      H), "head_dims" (any multiple of 8 up to 256), "sinks", "lengths" (sequence lengths,
+      padding of uneven lengths), "batch_dims".
     SKIP: None, or why nothing here can run on this host (e.g. no Hopper GPU).
     SHARD_MAP_CHECK_VMA: the check_vma a caller's shard_map needs around
       ring_attention_sharded (False for Pallas kernels interpreted on CPU devices).
@@ -116,7 +172,8 @@ class ContractTests:
   HEAD_DIM = 32
   UNIT = 16
   FEATURES = frozenset({"window", "segments", "layouts", "bidirectional", "cross", "ring",
-                        "kernel"})
+                        "kernel", "softcap", "value_dim", "head_dims", "sinks", "lengths",
+                        "batch_dims"})
   SKIP: str | None = None
   SHARD_MAP_CHECK_VMA = True
 
@@ -368,6 +425,130 @@ class ContractTests:
   @pytest.mark.parametrize("case", SLOW_RING_CASES, ids=str)
   def test_ring_matches_oracle_slow(self, case):
     self._check_case(case)
+
+  # ---------------------------------------------------------------------------------------
+  # The vocabulary of real models.
+
+  def _vocab_inputs(self, case: VocabCase):
+    """Natural-order (q, k, v, dout, seg | None, q_lengths | None, kv_lengths | None,
+    sinks | None): q [*lead, T, N, H], k [*lead, S, K, H], v [*lead, S, K, Hv]."""
+    p = case.ring_size
+    t = case.t * self.UNIT * p - case.trim
+    s = case.s * self.UNIT * p - case.trim
+    h = case.head_dim or self.HEAD_DIM
+    hv = case.head_dim_v or h
+    b = int(np.prod(case.lead)) if case.lead else 1
+    dtype = self.DTYPE
+    q, k, _, dout = helpers.inputs(len(case.name) + p, b, t, s, N, case.kv_heads, h, dtype)
+    v = jax.random.normal(jax.random.key(len(case.name)), (b, s, case.kv_heads, hv),
+                          jnp.float32).astype(dtype)
+    dout = jax.random.normal(jax.random.key(p), (b, t, N, hv), jnp.float32).astype(dtype)
+    seg = helpers.packed_segments(b, t, seed=t) if case.segments else None
+    rng = np.random.default_rng(t + s)
+    q_len = jnp.asarray(rng.integers(t // 2, t + 1, b), jnp.int32) if case.lengths else None
+    kv_len = jnp.asarray(rng.integers(s // 3, s + 1, b), jnp.int32) if case.lengths else None
+    sinks = jnp.asarray(rng.normal(size=N) * 2, jnp.float32) if case.sinks else None
+
+    def shaped(x, tail):
+      return None if x is None else x.reshape(case.lead + x.shape[tail:])
+
+    return (shaped(q, 1), shaped(k, 1), shaped(v, 1), shaped(dout, 1), shaped(seg, 1),
+            shaped(q_len, 1), shaped(kv_len, 1), sinks)
+
+  def _vocab_features(self, case: VocabCase):
+    need = ["ring"]
+    for flag, feature in ((case.softcap is not None, "softcap"), (case.sinks, "sinks"),
+                          (case.head_dim_v is not None, "value_dim"),
+                          (case.head_dim is not None, "head_dims"),
+                          (case.lengths or case.trim > 0, "lengths"),
+                          (case.lead != (1,), "batch_dims"),
+                          (case.window is not None, "window"), (case.segments, "segments"),
+                          (case.layout != "contiguous", "layouts"),
+                          (case.bidirectional, "bidirectional")):
+      if flag:
+        need.append(feature)
+    return need
+
+  def _check_vocab(self, case: VocabCase):
+    self.require(*self._vocab_features(case))
+    case = self.adapt(case)
+    q, k, v, dout, seg, q_len, kv_len, sinks = self._vocab_inputs(case)
+    p = case.ring_size
+    mesh = self.mesh(p)
+    lead = len(case.lead)
+    to = functools.partial(ringflash.to_layout, layout=case.layout, ring_size=p)
+    back = functools.partial(ringflash.from_layout, layout=case.layout, ring_size=p)
+    laid = (lambda x, axis=lead: x) if case.layout == "contiguous" else (
+        lambda x, axis=lead: to(x, axis=axis))
+    unlaid = (lambda x, axis=lead: x) if case.layout == "contiguous" else (
+        lambda x, axis=lead: back(x, axis=axis))
+    window = self._window(case)
+    local = (-(-q.shape[lead] // p), -(-k.shape[lead] // p))
+
+    def ring(q, k, v, seg, sinks):
+      return ringflash.ring_attention(
+          q, k, v, mesh=mesh, is_causal=case.causal, segment_ids=seg, return_residual=True,
+          backend=self.BACKEND, block_sizes=self.block_sizes(*local), layout=case.layout,
+          local_window_size=window, bidirectional=case.bidirectional, sinks=sinks,
+          logits_soft_cap=case.softcap, query_seq_lengths=q_len,
+          key_value_seq_lengths=kv_len)
+
+    def dense(upcast):
+      def f(q, k, v, seg, sinks):
+        flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[lead:])  # noqa
+        out, lse = oracle.attention(
+            flat(q), flat(k), flat(v), causal=case.causal, q_seg=flat(seg), kv_seg=flat(seg),
+            window=window, softcap=case.softcap, sinks=sinks, q_lengths=flat(q_len),
+            kv_lengths=flat(kv_len), upcast=upcast)
+        return (out.reshape(q.shape[:-2] + out.shape[-2:]),
+                lse.reshape(q.shape[:-3] + lse.shape[-2:]))
+      return f
+
+    def with_grads(attn, layout_in, layout_out):
+      def run(q, k, v, dout, seg, sinks):
+        args = (layout_in(q), layout_in(k), layout_in(v))
+        seg_l = None if seg is None else layout_in(seg)
+
+        def f(q, k, v, sinks):
+          return attn(q, k, v, seg_l, sinks)
+
+        (out, lse), vjp = jax.vjp(f, *args, sinks)
+        grads = vjp((layout_in(dout).astype(out.dtype), jnp.zeros_like(lse)))
+        lse_axis = lse.ndim - 1
+        return ((layout_out(out), layout_out(lse, axis=lse_axis))
+                + tuple(layout_out(g) for g in grads[:3]) + (grads[3],))
+      return jax.jit(run)(q, k, v, dout, seg, sinks)
+
+    same = lambda x, axis=None: x  # noqa: E731
+    got = with_grads(ring, laid, unlaid)
+    ref = with_grads(dense(True), same, same)
+    plain = with_grads(dense(False), same, same)
+    hv = v.shape[-1]
+    assert got[0].shape == q.shape[:-1] + (hv,) and got[0].dtype == q.dtype
+    assert got[1].shape == q.shape[:-3] + (N, q.shape[lead])
+    flat = lambda x: np.asarray(x, np.float32).reshape((-1,) + x.shape[lead:])  # noqa: E731
+    names = ("out", "lse", "dq", "dk", "dv")
+    self.check(tuple(flat(x) for x in got[:5]), tuple(flat(x) for x in ref[:5]),
+               tuple(flat(x) for x in plain[:5]))
+    if case.sinks:
+      g, r, pl_ = (np.asarray(x[5], np.float32) for x in (got, ref, plain))
+      low = jnp.dtype(q.dtype) != jnp.float32
+      tol = 3 * float(np.max(np.abs(pl_ - r))) if low else helpers.fp32_tol(r)
+      assert np.max(np.abs(g - r)) <= max(tol, 1e-6), ("dsinks", g, r)
+    if q_len is not None:        # rows past their length give 0
+      out = flat(got[0])
+      past = np.arange(out.shape[1])[None, :] >= np.asarray(q_len).reshape(-1)[:, None]
+      assert np.all(out[past] == 0.0)
+    del names
+
+  @pytest.mark.parametrize("case", VOCAB_CASES, ids=str)
+  def test_vocabulary_matches_oracle(self, case):
+    self._check_vocab(case)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("case", SLOW_VOCAB_CASES, ids=str)
+  def test_vocabulary_matches_oracle_slow(self, case):
+    self._check_vocab(case)
 
   def test_error_does_not_grow_with_ring_size(self):
     self.require("ring")

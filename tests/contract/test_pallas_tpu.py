@@ -11,6 +11,7 @@ from contract import base
 class TestPallasTpu(base.ContractTests):
   BACKEND = "pallas_tpu"
   SHARD_MAP_CHECK_VMA = False        # interpret mode (tests/test_ring.py checks the error)
+  FEATURES = base.ContractTests.FEATURES - {"softcap", "value_dim"}
 
   def block_sizes(self, q_len, kv_len):
     # Several tiles per block pair where the lengths allow (kernel cases: 256 tokens), the

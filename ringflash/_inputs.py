@@ -1,0 +1,112 @@
+"""The user's arrays as the strategies take them, and the results back.
+
+The public API accepts [..., T, N, H] with no, one or several leading batch dims, sequence
+lengths per batch row, lengths that do not divide by the ring, and attention sinks. The
+strategies take one canonical form: [B, T, N, H] with T divisible as the layout needs, and
+masks as positions plus segment ids. This module maps one onto the other:
+
+- leading dims are flattened into B (none: B = 1) and restored at the end;
+- a contiguous sequence that does not divide by the ring is padded at its end (each device's
+  share rounded up, _validate.prepare) and the output trimmed;
+- lengths and padding become segment ids: a query row at or past its length gets the id
+  PAD_Q and a key at or past it PAD_K; no real id equals either, so such a key is never seen
+  and such a row sees nothing (output 0, lse -inf). Example, T = 6, length 4, no segment ids:
+  query ids 0 0 0 0 PAD_Q PAD_Q, key ids 0 0 0 0 PAD_K PAD_K. PAD_Q is the largest int32 and
+  PAD_K the smallest, so the kernels' range test (base.block_may_have_work) skips a whole
+  tile or ring hop of padding: [PAD_K, PAD_K] meets no query range, [PAD_Q, PAD_Q] no key
+  range;
+- sinks join each row's softmax once, after the strategy: lse' = logaddexp(lse, sink) and
+  out' = out * exp(lse - lse'), differentiated by JAX (so the sink's gradient is summed over
+  rows and devices by the ordinary rules), rows without a key staying 0 with lse -inf.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from ringflash import _validate
+
+PAD_Q = np.iinfo(np.int32).max
+PAD_K = np.iinfo(np.int32).min
+
+
+def _rows(x, lead):
+  """x [*lead, *rest] -> [B, *rest] (B = prod(lead), 1 when there is no batch dim)."""
+  return x.reshape((int(np.prod(lead, dtype=np.int64)) if lead else 1,) + x.shape[len(lead):])
+
+
+def _pad(x, length: int, axis: int = 1):
+  extra = length - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, kv_lengths, *,
+              t_len: int, s_len: int, q_pos=None, k_pos=None):
+  """(q [B, T', N, H], k [B, S', K, H], v [B, S', K, Hv], q_seg [B, T'] | None,
+  kv_seg [B, S'] | None) of a checked call.
+
+  t_len, s_len: the lengths T', S' the strategy runs: ring_attention pads a contiguous
+  sequence to them (rows at natural positions >= call.t, call.s are padding);
+  ring_attention_sharded passes its local lengths. q_pos [T'], k_pos [S']: the natural
+  positions of the rows (the layout's; per device under ring_attention_sharded); default
+  0..T'-1 and 0..S'-1.
+  """
+  lead = call.lead
+  q, k, v = (_pad(_rows(x, lead), n) for x, n in ((query, t_len), (key, s_len),
+                                                  (value, s_len)))
+  padded = t_len > call.t or s_len > call.s
+  if not (call.masked_by_ids or padded):
+    return q, k, v, None, None
+  b = q.shape[0]
+  if call.segments:
+    q_ids, kv_ids = (segment_ids if isinstance(segment_ids, (tuple, list))
+                     else (segment_ids, segment_ids))
+    q_ids = _pad(_rows(jnp.asarray(q_ids, jnp.int32), lead), t_len)
+    kv_ids = _pad(_rows(jnp.asarray(kv_ids, jnp.int32), lead), s_len)
+  else:
+    q_ids = jnp.zeros((b, t_len), jnp.int32)
+    kv_ids = jnp.zeros((b, s_len), jnp.int32)
+  q_pos = jnp.arange(t_len, dtype=jnp.int32) if q_pos is None else q_pos
+  k_pos = jnp.arange(s_len, dtype=jnp.int32) if k_pos is None else k_pos
+  q_ok = jnp.broadcast_to(q_pos < call.t if t_len > call.t else True, (b, t_len))
+  k_ok = jnp.broadcast_to(k_pos < call.s if s_len > call.s else True, (b, s_len))
+  if q_lengths is not None:
+    q_ok = q_ok & (q_pos[None, :] < _rows(jnp.asarray(q_lengths, jnp.int32), lead)[:, None])
+  if kv_lengths is not None:
+    k_ok = k_ok & (k_pos[None, :] < _rows(jnp.asarray(kv_lengths, jnp.int32), lead)[:, None])
+  return (q, k, v, jnp.where(q_ok, q_ids, PAD_Q).astype(jnp.int32),
+          jnp.where(k_ok, kv_ids, PAD_K).astype(jnp.int32))
+
+
+def add_sinks(out, lse, sinks):
+  """Each row's softmax with its head's sink logit in the denominator (no value):
+  lse' = logaddexp(lse, sink), out' = out * exp(lse - lse'); rows without a key keep
+  out = 0 and lse = -inf; NaN stays NaN.
+
+  Args:
+    out [B, T, N, Hv] (any float dtype; computed in float32, returned in out's dtype),
+    lse [B, N, T] float32, sinks [N].
+  """
+  sink = jnp.asarray(sinks, jnp.float32)[None, :, None]                  # [1, N, 1]
+  none = lse == -jnp.inf
+  lse_safe = jnp.where(none, 0.0, lse)
+  total = jnp.where(none, -jnp.inf, jnp.logaddexp(lse_safe, sink))
+  weight = jnp.where(none, 0.0, jnp.exp(lse_safe - jnp.where(none, 0.0, total)))
+  scaled = out.astype(jnp.float32) * weight.transpose(0, 2, 1)[..., None]
+  return scaled.astype(out.dtype), total
+
+
+def finish(call: _validate.Call, out, lse, sinks):
+  """The strategy's (out [B, T', N, Hv], lse [B, N, T']) in the user's shapes: sinks added,
+  padding trimmed, leading dims restored; (out, lse) or out alone as return_residual says."""
+  if sinks is not None:
+    out, lse = add_sinks(out, lse, sinks)
+  out, lse = out[:, :call.t], lse[:, :, :call.t]
+  out = out.reshape(call.lead + out.shape[1:])
+  lse = lse.reshape(call.lead + lse.shape[1:])
+  return (out, lse) if call.return_residual else out
