@@ -9,6 +9,11 @@ computed locally from the full inputs, and prints one line: its errors and "ok" 
 
 Example, 2 processes x 4 CPU devices, T = 256: the ring has 8 devices of 32 tokens each;
 process 0 holds tokens 0..127 (its devices 0..3), process 1 tokens 128..255.
+
+Every flag is checked before any work (ringflash.cli's contract): absl's bounds while parsing,
+job_from_flags, then, once the job's devices are known but before anything compiles,
+check_devices (e.g. --seq_len=100 on 8 devices) and check_shapes (ring attention's own rules,
+traced on abstract inputs). A mistake is one line naming the flag, and exit status 2.
 """
 
 from __future__ import annotations
@@ -24,28 +29,34 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringflash
-from ringflash import _reference
+from ringflash import reference as dense
+from ringflash.cli import UsageError
 from ringflash.launch import distributed
 
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
-  """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
-  before parsing; importing the module (as tests do) defines nothing."""
-  flags.DEFINE_integer("batch", 1, "B, global batch")
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+  """Defines this command's flags on `flag_values` (absl's FLAGS by default). The ringflash
+  command calls it once before parsing; importing the module (as tests do) defines nothing.
+  `ringflash launch` defines them on a FlagValues of its own to check a job's flags before it
+  starts any process."""
+  fv = {"flag_values": flag_values}
+  flags.DEFINE_integer("batch", 1, "B, global batch", lower_bound=1, **fv)
   flags.DEFINE_integer("seq_len", 256, "T = S, global sequence length; divisible by "
-                       "the number of global devices")
-  flags.DEFINE_integer("heads", 2, "N, query heads")
-  flags.DEFINE_integer("kv_heads", 1, "K, key/value heads (N % K == 0)")
-  flags.DEFINE_integer("head_dim", 32, "H")
-  flags.DEFINE_boolean("causal", True, "causal mask")
-  flags.DEFINE_integer("seed", 0, "seed of the inputs (the same on every process)")
-  flags.DEFINE_integer("repeat", 1, "forward+backward passes; the last one is verified")
+                       "the number of global devices", lower_bound=1, **fv)
+  flags.DEFINE_integer("heads", 2, "N, query heads", lower_bound=1, **fv)
+  flags.DEFINE_integer("kv_heads", 1, "K, key/value heads (N % K == 0)", lower_bound=1, **fv)
+  flags.DEFINE_integer("head_dim", 32, "H", lower_bound=1, **fv)
+  flags.DEFINE_boolean("causal", True, "causal mask", **fv)
+  flags.DEFINE_integer("seed", 0, "seed of the inputs (the same on every process)",
+                       lower_bound=0, **fv)
+  flags.DEFINE_integer("repeat", 1, "forward+backward passes; the last one is verified",
+                       lower_bound=1, **fv)
   flags.DEFINE_float("tolerance", 1e-4, "largest accepted error, relative to "
-                     "max(1, max |reference|), per output")
+                     "max(1, max |reference|), per output; > 0", **fv)
   flags.DEFINE_string("out_dir", "", "if set, each process writes the values it "
-                      "holds to OUT_DIR/process_<id>.npz (NaN where not held)")
+                      "holds to OUT_DIR/process_<id>.npz (NaN where not held)", **fv)
 
 
 AXIS = "sp"
@@ -65,6 +76,82 @@ class Config:
   seed: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """A checked `ringflash check` command line."""
+
+  config: Config
+  repeat: int
+  tolerance: float
+  out_dir: str
+
+
+def job_from_flags(values: flags.FlagValues = FLAGS) -> Job:
+  """Every flag of `ringflash check`, checked; nothing is touched (no device, no file).
+
+  absl's bounds have refused non-positive sizes while parsing. What needs the device count
+  is check_devices, what needs ring attention's own rules is check_shapes.
+
+  Raises:
+    UsageError: naming the flag and what is allowed.
+  """
+  v = values
+  if v.heads % v.kv_heads:
+    raise UsageError(f"--heads={v.heads} must be a multiple of --kv_heads={v.kv_heads}")
+  if not v.tolerance > 0:
+    raise UsageError(f"--tolerance must be > 0, got {v.tolerance}")
+  if v.out_dir:
+    problem = distributed.directory_problem(v.out_dir)
+    if problem:
+      raise UsageError(f"--out_dir={v.out_dir}: {problem}")
+  config = Config(batch=v.batch, seq_len=v.seq_len, heads=v.heads, kv_heads=v.kv_heads,
+                  head_dim=v.head_dim, causal=v.causal, seed=v.seed)
+  return Job(config=config, repeat=v.repeat, tolerance=v.tolerance, out_dir=v.out_dir)
+
+
+def check_devices(config: Config, device_count: int) -> None:
+  """The sequence must divide over the job's devices.
+
+  Raises:
+    UsageError: naming --seq_len.
+  """
+  if config.seq_len % device_count:
+    raise UsageError(f"--seq_len={config.seq_len} must be divisible by the number of "
+                     f"global devices, {device_count}")
+
+
+def check_shapes(config: Config) -> None:
+  """Traces the forward and backward pass on abstract inputs: nothing compiles or runs.
+
+  Raises:
+    UsageError: what ring_attention refuses about these shapes.
+  """
+  mesh, sharding = _mesh()
+  q_shape = (config.batch, config.seq_len, config.heads, config.head_dim)
+  kv_shape = (config.batch, config.seq_len, config.kv_heads, config.head_dim)
+  q, k, v, dout = (jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
+                   for shape in (q_shape, kv_shape, kv_shape, q_shape))
+  try:
+    jax.eval_shape(_forward_backward(mesh, config.causal), q, k, v, dout)
+  except (ValueError, NotImplementedError) as err:
+    raise UsageError(f"ring attention refuses what these flags give: {err}") from None
+
+
+def _mesh() -> tuple[Mesh, NamedSharding]:
+  """The 1-D ring over every global device, and the inputs' sharding (sequence over it)."""
+  mesh = Mesh(np.array(jax.devices()), (AXIS,))
+  return mesh, NamedSharding(mesh, P(None, AXIS))
+
+
+def _forward_backward(mesh: Mesh, causal: bool):
+  def forward_backward(q, k, v, dout):
+    out, vjp = jax.vjp(
+        lambda q, k, v: ringflash.ring_attention(q, k, v, mesh=mesh, axis_name=AXIS,
+                                                 is_causal=causal), q, k, v)
+    return (out, *vjp(dout))
+  return jax.jit(forward_backward)
+
+
 def global_inputs(config: Config) -> dict[str, np.ndarray]:
   """The full inputs q, k, v and the output cotangent dout, float32, identical everywhere."""
   rng = np.random.default_rng(config.seed)
@@ -79,8 +166,8 @@ def reference(inputs: dict[str, np.ndarray], causal: bool) -> dict[str, np.ndarr
   """Dense attention and its gradients in float32 at HIGHEST precision, on one device."""
   device = jax.local_devices()[0]
   q, k, v, dout = (jax.device_put(inputs[n], device) for n in ("q", "k", "v", "dout"))
-  out, vjp = jax.vjp(lambda q, k, v: _reference.dense_attention(q, k, v, causal,
-                                                                chunk=q.shape[1]), q, k, v)
+  out, vjp = jax.vjp(lambda q, k, v: dense.dense_attention(q, k, v, causal,
+                                                          chunk=q.shape[1]), q, k, v)
   dq, dk, dv = vjp(dout)
   return {name: np.asarray(x) for name, x in zip(NAMES, (out, dq, dk, dv))}
 
@@ -103,23 +190,15 @@ def run(config: Config, repeat: int = 1) -> tuple[dict[str, jax.Array], dict[str
   # First, before anything that could fail on some processes only: every process must mean
   # the same global inputs, or the slices below would not fit together.
   distributed.check_same_across_processes(inputs)
-  devices = jax.devices()
-  if config.seq_len % len(devices):
+  if config.seq_len % jax.device_count():
     raise ValueError(f"seq_len={config.seq_len} must be divisible by the number of global "
-                     f"devices, {len(devices)}")
-  mesh = Mesh(np.array(devices), (AXIS,))
-  sharding = NamedSharding(mesh, P(None, AXIS))
+                     f"devices, {jax.device_count()}")
+  mesh, sharding = _mesh()
   # Every process holds the whole inputs; each device takes its sequence slice of them.
   q, k, v, dout = (jax.make_array_from_callback(inputs[n].shape, sharding,
                                                 lambda idx, x=inputs[n]: x[idx])
                    for n in ("q", "k", "v", "dout"))
-
-  @jax.jit
-  def forward_backward(q, k, v, dout):
-    out, vjp = jax.vjp(
-        lambda q, k, v: ringflash.ring_attention(q, k, v, mesh=mesh, axis_name=AXIS,
-                                                 is_causal=config.causal), q, k, v)
-    return (out, *vjp(dout))
+  forward_backward = _forward_backward(mesh, config.causal)
 
   for step in range(repeat):
     results = dict(zip(NAMES, forward_backward(q, k, v, dout)))
@@ -148,17 +227,27 @@ def held_values(array: jax.Array) -> np.ndarray:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise ValueError(f"ringflash check takes flags only, got {argv[1:]}")
+  del argv                           # ringflash.cli refuses positional arguments
+  job = job_from_flags()             # every flag, before anything is touched
+  # SIGTERM ends a check at once (it has nothing to save). JAX's preemption service would
+  # turn SIGTERM into a notice that nothing here reads: a process blocked in a collective
+  # whose peer is gone (gloo's collective-permute waits on a send to it) would then outlive
+  # the launcher's SIGTERM and wait for its SIGKILL.
+  jax.config.update("jax_enable_preemption_service", False)
   joined = distributed.initialize()
-  config = Config(batch=FLAGS.batch, seq_len=FLAGS.seq_len, heads=FLAGS.heads,
-                  kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim, causal=FLAGS.causal,
-                  seed=FLAGS.seed)
+  with distributed.exit_promptly_on_error("check"):
+    check_devices(job.config, jax.device_count())
+    check_shapes(job.config)
+    _check(job, joined)
+
+
+def _check(job: Job, joined: distributed.Processes) -> None:
+  config = job.config
   me = f"process {joined.process_id} of {joined.num_processes}"
   print(f"ringflash check: {me}: {jax.local_device_count()} local of {jax.device_count()} "
         f"global {jax.devices()[0].platform} devices; {config}", flush=True)
   try:
-    results, inputs = run(config, repeat=FLAGS.repeat)
+    results, inputs = run(config, repeat=job.repeat)
   except distributed.InputsDifferError as err:
     # Every process found the same disagreement, before any collective of the attention.
     # Exit at once: the runtime's shutdown barrier would wait on peers that are leaving too
@@ -167,13 +256,13 @@ def main(argv) -> None:
     sys.stdout.flush()
     os._exit(2)
   worst = errors(results, reference(inputs, config.causal))
-  if FLAGS.out_dir:
-    os.makedirs(FLAGS.out_dir, exist_ok=True)
-    np.savez(os.path.join(FLAGS.out_dir, f"process_{joined.process_id}.npz"),
+  if job.out_dir:
+    os.makedirs(job.out_dir, exist_ok=True)
+    np.savez(os.path.join(job.out_dir, f"process_{joined.process_id}.npz"),
              **{name: held_values(x) for name, x in results.items()})
-  ok = all(e <= FLAGS.tolerance for e in worst.values())
+  ok = all(e <= job.tolerance for e in worst.values())
   summary = ", ".join(f"{name} {e:.1e}" for name, e in worst.items())
-  print(f"ringflash check: {me}: max error {summary} (tolerance {FLAGS.tolerance:.0e}): "
+  print(f"ringflash check: {me}: max error {summary} (tolerance {job.tolerance:.0e}): "
         f"{'ok' if ok else 'FAILED'}", flush=True)
   if not ok:
     sys.exit(1)

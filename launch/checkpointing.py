@@ -10,10 +10,13 @@ killed mid-save leaves a temporary directory and the previous step intact.
 Restore walks the steps from the newest down and takes the first one that is complete and
 verified:
   * temporary (partial) directories are never loaded; each one is reported by step;
-  * a `<step>` directory that fails to load, or whose arrays do not match the fingerprints
-    saved with them (a corrupted file), is skipped with a message naming the step;
+  * a `<step>` directory whose metadata the caller refuses (another run configuration), that
+    fails to load, or whose arrays do not match the fingerprints saved with them (a
+    corrupted file), is skipped with a message naming the step;
 and restores the arrays directly into the target shardings (the caller's abstract state),
-which may belong to a different mesh than the one that saved them.
+which may belong to a different mesh than the one that saved them. When complete steps exist
+but none of them restores, restore raises NoUsableCheckpointError naming each step and why:
+a run that started again at step 0 would save over them.
 """
 
 from __future__ import annotations
@@ -34,27 +37,62 @@ _STEP = re.compile(r"^(\d+)$")
 
 
 def fingerprint(tree) -> dict[str, int]:
-  """Per-leaf fingerprint: the sum of the leaf's 32-bit words, modulo 2**32.
+  """Per-leaf fingerprint of the bits: the sum of the leaf's words, modulo 2**32.
 
-  An integer sum is associative, so the value is exact and independent of the sharding the
-  leaf has, on any mesh; any single changed word changes it.
+  A word is one element's bit pattern read as an unsigned integer of the element's own width
+  (a bfloat16 0.5 is the word 0x3F00 = 16128, not the value 0), zero-extended to 32 bits; an
+  8-byte element counts as its two 32-bit halves. Two arrays whose bits differ in one element
+  have different fingerprints. An integer sum is associative, so the value is exact and
+  independent of the sharding the leaf has, on any mesh.
 
   Returns:
     {leaf path: int}.
+
+  Raises:
+    ValueError: a leaf whose elements are not 1, 2, 4 or 8 bytes wide (int4, complex).
   """
   leaves = jax.tree_util.tree_leaves_with_path(tree)
+  for path, leaf in leaves:
+    dtype = jnp.dtype(leaf.dtype if hasattr(leaf, "dtype") else jnp.asarray(leaf).dtype)
+    if dtype != jnp.bool_ and (dtype.itemsize not in _WORDS or dtype.kind == "c"):
+      raise ValueError(f"fingerprint of {jax.tree_util.keystr(path)}: dtype {dtype} is not "
+                       f"supported (elements of 1, 2, 4 or 8 bytes, not complex)")
   sums = _word_sums([leaf for _, leaf in leaves])
   return {jax.tree_util.keystr(path): int(s) for (path, _), s in zip(leaves, sums)}
+
+
+# element width in bytes -> the unsigned type its bits are read as (8 bytes: two uint32 halves)
+_WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 
 
 @jax.jit
 def _word_sums(leaves):
   def words(x):
     x = jnp.asarray(x)
-    if x.dtype.itemsize == 4:
-      return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return x.astype(jnp.uint32)      # int8/16, bool: the value is its word
+    if x.dtype == jnp.bool_:
+      return x.astype(jnp.uint32)               # False/True: the bytes 0 and 1
+    # A bitcast, not astype: astype converts the value (bfloat16 0.5 and 0.25 both become 0).
+    # 8 bytes -> uint32 adds a trailing axis of the two halves.
+    bits = jax.lax.bitcast_convert_type(x, _WORDS[x.dtype.itemsize])
+    return bits.astype(jnp.uint32)              # zero-extends the unsigned word
   return [jnp.sum(words(x), dtype=jnp.uint32) for x in leaves]
+
+
+class NoUsableCheckpointError(Exception):
+  """Complete checkpoints exist, but none of them restores.
+
+  Attributes:
+    directory: the checkpoint directory.
+    tried: (step, why it was skipped), newest first.
+  """
+
+  def __init__(self, directory: str, tried: list[tuple[int, str]]):
+    self.directory = directory
+    self.tried = tried
+    reasons = "; ".join(f"step {step}: {why}" for step, why in tried)
+    super().__init__(f"none of the {len(tried)} complete checkpoint(s) in {directory} "
+                     f"restores ({reasons}); refusing to start again at step 0, which would "
+                     f"save over them")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,16 +128,17 @@ class Checkpoints:
         enable_async_checkpointing=async_save, create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
-  def save(self, step: int, state, meta: dict) -> bool:
+  def save(self, step: int, state, meta: dict, *, force: bool = False) -> bool:
     """Starts saving `state` (a pytree of arrays) and `meta` (JSON) as step `step`.
 
-    Does nothing unless step is a multiple of save_every. The fingerprints of the arrays are
-    computed now and stored in the metadata under "fingerprint".
+    Does nothing unless step is a multiple of save_every or `force` (a save on a preemption
+    notice). The fingerprints of the arrays are computed now and stored in the metadata
+    under "fingerprint".
 
     Returns:
       True if a save was started.
     """
-    if step % self.save_every:
+    if step % self.save_every and not force:
       return False
     meta = dict(meta, fingerprint=fingerprint(state))
     return self._manager.save(step, args=ocp.args.Composite(
@@ -126,29 +165,41 @@ class Checkpoints:
              if (m := _PARTIAL.match(name))}
     return sorted(found, reverse=True)
 
-  def restore_latest(self, abstract_state) -> Restored | None:
+  def restore_latest(self, abstract_state,
+                     check_meta: Callable[[dict], str | None] | None = None) -> Restored | None:
     """The newest complete, verified checkpoint, restored into `abstract_state`'s shardings.
 
     Args:
       abstract_state: pytree of jax.ShapeDtypeStruct with `sharding` set (the target layout),
         same structure as the saved state.
+      check_meta: called with a step's JSON metadata before its arrays are read; returns why
+        the step cannot be resumed (e.g. saved by another run configuration), or None.
 
     Returns:
-      Restored, or None when no usable checkpoint exists (every skipped one is reported).
+      Restored, or None when there is no complete checkpoint (partial ones are reported).
+
+    Raises:
+      NoUsableCheckpointError: complete checkpoints exist but none restores; every one
+        tried is named with the reason.
     """
     complete = set(self.complete_steps())
     for step in self.partial_steps():
       if step not in complete:
         self._log(f"checkpoint: skipping step {step}: partial save "
                   f"(temporary directory of an interrupted write) in {self.directory}")
+    tried = []
     for step in sorted(complete, reverse=True):
-      restored, problem = self._try_restore(step, abstract_state)
+      restored, problem = self._try_restore(step, abstract_state, check_meta)
       if restored is not None:
         return restored
       self._log(f"checkpoint: skipping step {step}: {problem}")
+      tried.append((step, problem))
+    if tried:
+      raise NoUsableCheckpointError(self.directory, tried)
     return None
 
-  def _try_restore(self, step: int, abstract_state) -> tuple[Restored | None, str]:
+  def _try_restore(self, step: int, abstract_state,
+                   check_meta) -> tuple[Restored | None, str]:
     step_dir = os.path.join(self.directory, str(step))
     meta_file = os.path.join(step_dir, "meta", "metadata")
     try:
@@ -159,6 +210,9 @@ class Checkpoints:
     expected = meta.get("fingerprint") if isinstance(meta, dict) else None
     if not isinstance(expected, dict):
       return None, f"metadata {meta_file} has no array fingerprints"
+    problem = check_meta(meta) if check_meta is not None else None
+    if problem:
+      return None, problem
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state)))

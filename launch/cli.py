@@ -2,21 +2,31 @@
 
   ringflash launch local --processes N --devices-per-process M [--platform cpu|gpu]
                          [--log_dir D] -- <job>
-  ringflash launch tpu --name NAME --zone ZONE --workers W [--project P] [--dry-run] -- <job>
+  ringflash launch tpu --name NAME --zone ZONE [--workers W] [--project P] [--dry-run] -- <job>
 
 <job> is a ringflash subcommand and its flags (`check`, `train --steps=10`); default `check`.
 Everything after `--` belongs to the job. Multi-word flags may be spelled with `-` or `_`.
+
+Everything is checked before anything starts (a mistake: one line, exit status 2): the
+target; its own flags (a flag of the other target is refused, directories must be usable);
+the job: its first word must be a ringflash subcommand, and the flags of `check` and `train`
+are parsed and checked here exactly as the job will check them, with the job's device count
+where the launch knows it (local: N x M), so that `-- train --ring=16` on 2 x 4 devices fails
+here rather than in every process.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib
 import os
 import sys
 import time
 
-from absl import app
 from absl import flags
 
+from ringflash import cli as ringflash_cli
+from ringflash.cli import UsageError
 from ringflash.launch import distributed
 from ringflash.launch import local
 from ringflash.launch import tpu
@@ -49,14 +59,16 @@ def define_flags() -> None:
   flags.DEFINE_float("timeout_s", 0.0, "local: stop the whole job after this many "
                      "seconds (a failure); 0: no limit", lower_bound=0.0)
   flags.DEFINE_integer("port", 0, "local: coordinator port on 127.0.0.1; 0 picks a "
-                       "free one", lower_bound=0)
+                       "free one", lower_bound=0, upper_bound=65535)
   # tpu
   flags.DEFINE_string("name", "", "tpu: name of the TPU VM (the slice)")
   flags.DEFINE_string("zone", "", "tpu: its zone, e.g. us-east5-a")
   flags.DEFINE_string("project", "", "tpu: its Google Cloud project; empty: gcloud's "
                       "default")
-  flags.DEFINE_integer("workers", 0, "tpu: hosts of the slice (e.g. 4 for v5p-32), "
-                       "one log is collected from each")
+  flags.DEFINE_integer("workers", None, "tpu: hosts of the slice (e.g. 4 for v5p-32), one "
+                       "log is collected from each; not given: counted by `gcloud compute "
+                       "tpus tpu-vm describe` (the job itself reaches every worker through "
+                       "--worker=all)", lower_bound=1)
   flags.DEFINE_boolean("dry_run", False, "tpu: print the commands, run nothing")
   flags.DEFINE_string("source_dir", "", "tpu: root of the ringflash source tree "
                       "to copy; empty: the one this ringflash is installed from")
@@ -68,7 +80,17 @@ def define_flags() -> None:
 
 
 TARGETS = ("local", "tpu")
+TAKES_ARGUMENTS = True     # the target, then the job after `--` (ringflash.cli)
 DEFAULT_JOB = ("check",)
+# The flags that belong to one target only (the other refuses them).
+TARGET_FLAGS = {
+    "local": ("processes", "devices_per_process", "platform", "stop_timeout_s", "timeout_s",
+              "port"),
+    "tpu": ("name", "zone", "project", "workers", "dry_run", "source_dir", "python"),
+}
+# Jobs whose flags the launcher checks before it starts them: module with define_flags(fv),
+# job_from_flags(fv) and check_devices(config, device_count).
+CHECKED_JOBS = {"check": "ringflash.launch.check", "train": "ringflash.launch.train"}
 
 
 def log_dir(target: str) -> str:
@@ -79,29 +101,97 @@ def log_dir(target: str) -> str:
                                       f"{target}-{time.strftime('%Y%m%d-%H%M%S')}"))
 
 
+def check_job(job: list[str], *, devices: int | None) -> None:
+  """Checks a job before it starts anywhere.
+
+  Args:
+    job: the subcommand and its arguments, e.g. ["train", "--steps", "10"].
+    devices: the job's global device count if known (local: processes x devices per
+      process), for the checks that need it; None skips them (tpu).
+
+  Raises:
+    UsageError: the job is not a ringflash subcommand, or (check, train) one of its flags
+      is wrong, exactly as the job would say it.
+  """
+  name = job[0]
+  allowed = [n for n in ringflash_cli.SUBCOMMANDS if n != "launch"]
+  if name not in allowed:
+    raise UsageError(f"the job (after the target, or after `--`) must start with a ringflash "
+                     f"subcommand, one of {', '.join(allowed)}; got {' '.join(job)!r}")
+  if name not in CHECKED_JOBS:
+    return
+  module = importlib.import_module(CHECKED_JOBS[name])
+  values = flags.FlagValues()
+  module.define_flags(values)
+  # absl's own flags (logging, help) are accepted by every job.
+  for module_name, module_flags in FLAGS.flags_by_module_dict().items():
+    for flag in module_flags if module_name.startswith("absl.") else ():
+      if flag.name not in values:
+        values[flag.name] = copy.deepcopy(flag)
+  try:
+    rest = values([name, *job[1:]])
+    if len(rest) > 1:
+      raise UsageError(f"takes flags only, got the argument(s) {' '.join(rest[1:])}")
+    parsed = module.job_from_flags(values)
+    if devices is not None:
+      module.check_devices(parsed.config, devices)
+  except (flags.Error, UsageError) as err:
+    raise UsageError(f"job {name}: {err}") from None
+
+
+def _check_targets_flags(target: str) -> None:
+  for other, names in TARGET_FLAGS.items():
+    given = [n for n in names if other != target and FLAGS[n].present]
+    if given:
+      raise UsageError(f"--{given[0]} is a flag of `launch {other}`, not `launch {target}`")
+
+
+def _check_dir(name: str, path: str) -> None:
+  problem = distributed.directory_problem(path)
+  if problem:
+    raise UsageError(f"--{name}={path}: {problem}")
+
+
 def main(argv) -> None:
   if len(argv) < 2 or argv[1] not in TARGETS:
-    got = argv[1] if len(argv) > 1 else "nothing"
-    raise app.UsageError(f"the target must be one of {TARGETS}, got {got}")
+    got = repr(argv[1]) if len(argv) > 1 else "nothing"
+    raise UsageError(f"the target must be one of {', '.join(TARGETS)}, got {got}")
   target, job = argv[1], list(argv[2:]) or list(DEFAULT_JOB)
+  _check_targets_flags(target)
+  folder = log_dir(target)
+  _check_dir("log_dir", folder)
   if target == "local":
-    status = local.launch(job, processes=FLAGS.processes,
-                          devices_per_process=FLAGS.devices_per_process,
-                          log_dir=log_dir(target), stop_timeout_s=FLAGS.stop_timeout_s,
-                          init_timeout_s=FLAGS.init_timeout_s,
-                          timeout_s=FLAGS.timeout_s or None, port=FLAGS.port or None,
-                          platform=FLAGS.platform)
-  else:
+    check_job(job, devices=FLAGS.processes * FLAGS.devices_per_process)
     try:
-      where = tpu.Slice(name=FLAGS.name, zone=FLAGS.zone, workers=FLAGS.workers,
-                        project=FLAGS.project or None)
+      status = local.launch(job, processes=FLAGS.processes,
+                            devices_per_process=FLAGS.devices_per_process,
+                            log_dir=folder, stop_timeout_s=FLAGS.stop_timeout_s,
+                            init_timeout_s=FLAGS.init_timeout_s,
+                            timeout_s=FLAGS.timeout_s or None, port=FLAGS.port or None,
+                            platform=FLAGS.platform)
+    except ValueError as err:     # raised before any process starts (local.launch)
+      raise UsageError(str(err)) from None
+    sys.exit(status)
+
+  check_job(job, devices=None)
+  if not FLAGS.python.strip():
+    raise UsageError("--python must name the workers' Python, e.g. python3")
+  try:
+    where = tpu.Slice(name=FLAGS.name, zone=FLAGS.zone, workers=FLAGS.workers,
+                      project=FLAGS.project or None)
+    source_dir = FLAGS.source_dir or tpu.default_source_dir()
+    tpu.source_entries(source_dir)
+  except ValueError as err:
+    raise UsageError(f"--{err}") from None
+  if where.workers is None and not FLAGS.dry_run:
+    # Only the collection of the logs, one per worker, needs the count.
+    try:
+      where = tpu.Slice(name=where.name, zone=where.zone, project=where.project,
+                        workers=tpu.count_workers(where))
     except ValueError as err:
-      raise app.UsageError(f"launch tpu: --{err}") from err
-    folder = log_dir(target)
-    plan = tpu.steps(where, job, source_dir=FLAGS.source_dir or tpu.default_source_dir(),
-                     log_dir=folder, init_timeout_s=FLAGS.init_timeout_s,
-                     python=FLAGS.python)
-    if not FLAGS.dry_run:
-      os.makedirs(folder, exist_ok=True)
-    status = tpu.launch(plan, dry_run=FLAGS.dry_run, terminal=sys.stdout)
-  sys.exit(status)
+      raise UsageError(str(err)) from None
+  plan = tpu.steps(where, job, source_dir=source_dir, log_dir=folder,
+                   init_timeout_s=FLAGS.init_timeout_s, python=FLAGS.python)
+  if not FLAGS.dry_run:
+    os.makedirs(folder, exist_ok=True)
+  sys.exit(tpu.launch(plan, dry_run=FLAGS.dry_run, terminal=sys.stdout))

@@ -75,8 +75,9 @@ class TaskConfig:
       raise ValueError(f"num_pairs={self.num_pairs} must be <= num_keys={self.num_keys} "
                        f"(the keys of a sequence are distinct)")
     if self.num_pairs * self.num_copies > half:
-      raise ValueError(f"num_pairs * num_copies = {self.num_pairs * self.num_copies} must be "
-                       f"<= seq_len / 2 = {half} (the store)")
+      raise ValueError(f"num_pairs={self.num_pairs} x num_copies={self.num_copies} = "
+                       f"{self.num_pairs * self.num_copies} must be <= seq_len / 2 = {half} "
+                       f"(the store)")
     if self.num_queries > half:
       raise ValueError(f"num_queries={self.num_queries} must be <= seq_len / 2 = {half}")
 

@@ -1,4 +1,5 @@
-"""Joining a multi-process JAX job: `initialize()` and the cross-process input check.
+"""Joining a multi-process JAX job, and leaving it: `initialize()`, the cross-process input
+check, prompt exit on failure, the preemption notice.
 
 How a process learns its place in the job (the contract: README.md, "Multi-host launch"):
 
@@ -21,20 +22,35 @@ checks in with process 0 over a plain TCP connection on the coordinator's port, 
 `RINGFLASH_INIT_TIMEOUT_S`; process 0 answers "go" once all have checked in, or names the
 missing ones. Only then does anyone call `jax.distributed.initialize` (same port: process 0
 closes its listener before JAX's coordination service binds it).
+
+Why a job process ends at once on an error (`exit_promptly_on_error`): at exit, JAX's runtime
+waits in a shutdown barrier for every other process of the job (up to 300 s). A process whose
+peer is gone (its collective failed: "Gloo all-reduce failed ... Connection closed by peer")
+would wait there until the launcher kills it, and a process that fails alone keeps its live
+peers blocked in their next collective. So, in a job of several processes, an error that
+escapes the job prints its traceback and ends the process with os._exit(1): the launcher sees
+the failure within a second, and the peers' collectives fail at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import importlib.util
 import json
 import os
+import signal
 import socket
+import sys
+import threading
 import time
+import traceback
 
 import jax
 import numpy as np
+
+from ringflash.cli import UsageError
 
 ENV_COORDINATOR = "RINGFLASH_COORDINATOR"
 ENV_NUM_PROCESSES = "RINGFLASH_NUM_PROCESSES"
@@ -171,6 +187,113 @@ def check_same_across_processes(arrays) -> None:
   raise InputsDifferError("inputs differ across processes (every process must pass the "
                           "same shapes and dtypes before ring attention runs); "
                           + "; ".join(lines))
+
+
+def several_processes() -> bool:
+  """Whether this process joined a job of more than one process (initialize)."""
+  return _joined is not None and _joined.num_processes > 1
+
+
+@contextlib.contextmanager
+def exit_promptly_on_error(command: str):
+  """Around a job's work: in a job of several processes, an error ends this process at once.
+
+  An exception that escapes the body (a failed collective, JaxRuntimeError; anything else
+  that may have happened on this process alone) is printed with its traceback, and the
+  process ends with os._exit(1), skipping the runtime's shutdown barrier (module docstring).
+  A UsageError (a flag that only the job's devices could refute) is printed as ringflash.cli
+  prints it, `ringflash <command>: <message>`, and ends the process with status 2. With a
+  single process everything passes through.
+
+  Args:
+    command: the ringflash subcommand, for the message of a UsageError.
+  """
+  try:
+    yield
+  except UsageError as err:
+    if not several_processes():
+      raise
+    _end_now(2, f"ringflash {command}: {' '.join(str(err).split())}")
+  except Exception:  # pylint: disable=broad-except  # the process boundary: report, then end
+    if not several_processes():
+      raise
+    traceback.print_exc()
+    _end_now(1, f"process {_joined.process_id} of {_joined.num_processes}: ending at once "
+                f"(status 1), without the runtime's shutdown barrier")
+
+
+def _end_now(status: int, message: str):
+  print(message, file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)  # pylint: disable=protected-access
+
+
+class PreemptionNotice:
+  """SIGTERM (a scheduler's preemption notice, or the launcher stopping the job) as a step at
+  which every process agrees to save and stop.
+
+  Several processes: JAX's distributed runtime turns SIGTERM into a preemption sync point;
+  `reached(step)` (jax.experimental.multihost_utils.reached_preemption_sync_point) returns
+  True on every process at the same step, a little after the notice. All processes must call
+  it at every step, with the same step numbers.
+  One process, or JAX's preemption service turned off (jax_enable_preemption_service): a
+  SIGTERM handler of our own sets a flag (restored on leaving the `with` block); with several
+  processes the flags are OR-ed across processes at every step (a small all-gather), so that
+  all of them stop at the same step.
+
+  Use: `with PreemptionNotice() as notice: ... if notice.reached(step): save; stop`.
+  """
+
+  def __init__(self):
+    self._jax = jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
+    self._signalled = False
+    self._previous = None
+
+  def __enter__(self) -> "PreemptionNotice":
+    if not self._jax and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None
+
+  def _on_sigterm(self, signum, frame) -> None:
+    del signum, frame
+    self._signalled = True
+
+  def reached(self, step: int) -> bool:
+    """True when the job must save after `step` and stop (the same on every process)."""
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    if self._jax:
+      return bool(multihost_utils.reached_preemption_sync_point(step))
+    if jax.process_count() == 1:
+      return self._signalled
+    flags = multihost_utils.process_allgather(np.array([self._signalled]))
+    return bool(np.any(flags))
+
+
+def directory_problem(path: str) -> str | None:
+  """Why `path` cannot be (or become) a directory this process writes into, or None.
+
+  Checked before any work, for directory flags (--checkpoint_dir, --out_dir, --log_dir): the
+  path itself or its nearest existing ancestor must be a writable directory.
+  """
+  path = os.path.abspath(path)
+  if os.path.exists(path):
+    if not os.path.isdir(path):
+      return f"{path} exists and is not a directory"
+    return None if os.access(path, os.W_OK | os.X_OK) else f"{path} is not writable"
+  parent = os.path.dirname(path)
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    return f"{parent} is a file, not a directory"
+  if not os.access(parent, os.W_OK | os.X_OK):
+    return f"{parent} is not writable (it would hold {path})"
+  return None
 
 
 def _env_int(name: str, default: int | None, *, minimum: int) -> int | None:

@@ -6,8 +6,11 @@ LOG_DIR/process_<id>.log and to the terminal prefixed `[<id>] `.
 
 Failure handling, every wait bounded:
 - the first process to exit with a non-zero status (or a signal) is the lost process; the
-  launcher names it, sends SIGTERM to the others at once and SIGKILL to any still alive
-  `stop_timeout_s` later;
+  launcher names it as the cause, sends SIGTERM to the others at once and SIGKILL to any still
+  alive `stop_timeout_s` later, and reports each of them as stopped after the lost process
+  (with how it ended). The jobs of ringflash (check, train) end by themselves within a second
+  or two of a lost peer (their collective fails and they exit at once, see
+  distributed.exit_promptly_on_error), so the launcher returns without waiting for SIGKILL;
 - a process that never joins: the others fail by themselves after RINGFLASH_INIT_TIMEOUT_S
   (distributed.initialize's rendezvous), which the launcher then reports like any failure;
 - `timeout_s` (optional) bounds the whole job;
@@ -28,8 +31,8 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from ringflash import options
 from ringflash.launch import distributed
-from ringflash.parallel import ring
 
 _KILL_WAIT_S = 10.0      # after SIGKILL, how long to wait for the kernel to reap a process
 _READER_JOIN_S = 5.0     # after a process ends, how long its output may still drain
@@ -53,8 +56,8 @@ def process_env(base: dict[str, str], *, process_id: int, processes: int,
   cpu: `devices_per_process` simulated CPU devices (RINGFLASH_DEVICES_PER_PROCESS).
   gpu: GPUs `process_id * M .. (process_id + 1) * M - 1` of the machine, counted within
   `base`'s CUDA_VISIBLE_DEVICES when it is set, become the process's CUDA_VISIBLE_DEVICES;
-  collectives go through NCCL. XLA_FLAGS gains ring.GPU_COLLECTIVES_IN_FLIGHT unless it sets
-  that option already. Everything else in `base` (NCCL_* included) is passed on.
+  collectives go through NCCL. XLA_FLAGS gains ringflash.options.GPU_XLA_OPTIONS, each unless it
+  sets that option already. Everything else in `base` (NCCL_* included) is passed on.
 
   Raises:
     ValueError: an unknown platform, or fewer GPUs in CUDA_VISIBLE_DEVICES than the job needs.
@@ -80,16 +83,17 @@ def process_env(base: dict[str, str], *, process_id: int, processes: int,
     raise ValueError(f"processes={processes} x devices_per_process={devices_per_process} "
                      f"GPUs needed, CUDA_VISIBLE_DEVICES={visible!r} has {len(gpus)}")
   env.pop(distributed.ENV_DEVICES_PER_PROCESS, None)
-  option, value = ring.GPU_COLLECTIVES_IN_FLIGHT
-  if option not in env.get("XLA_FLAGS", ""):      # the caller's own setting wins
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --{option}={value}".strip()
+  # the caller's own setting of an option wins
+  env["XLA_FLAGS"] = options.xla_flags(options.GPU_XLA_OPTIONS, env.get("XLA_FLAGS", ""))
   env.update({"CUDA_VISIBLE_DEVICES": ",".join(
       gpus[process_id * devices_per_process:(process_id + 1) * devices_per_process]),
               "JAX_PLATFORMS": "cuda"})
   return env
 
 
-def describe_exit(returncode: int) -> str:
+def describe_exit(returncode: int | None) -> str:
+  if returncode is None:
+    return "still running"
   if returncode < 0:
     try:
       return f"killed by signal {signal.Signals(-returncode).name}"
@@ -164,8 +168,12 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
     status = _supervise(procs, exits, logs, say, stop_timeout_s=stop_timeout_s,
                         deadline=None if timeout_s is None else time.monotonic() + timeout_s)
   except KeyboardInterrupt:
-    say("interrupted; stopping all processes")
-    _stop(procs, stop_timeout_s, say)
+    say(f"interrupted; stopping all processes (SIGTERM now, SIGKILL to any still alive after "
+        f"{stop_timeout_s:g} s)")
+    killed = _stop(procs, stop_timeout_s, say)
+    for i, proc in enumerate(procs):
+      say(f"process {i}: " + ("killed by SIGKILL" if i in killed else
+                              describe_exit(proc.returncode)))
     status = 1
   finally:
     if previous is not None:
@@ -194,36 +202,53 @@ def _supervise(procs, exits, logs, say, *, stop_timeout_s, deadline) -> int:
     if code == 0:
       say(f"process {i} finished (status 0)")
       continue
-    alive = [j for j in range(len(procs)) if j not in done]
+    # The first failure is the cause; whatever the others do from here on follows from it.
     say(f"lost process {i} (pid {procs[i].pid}): {describe_exit(code)}; see {logs[i]}")
-    if alive:
-      say(f"stopping processes {alive} (SIGTERM now, SIGKILL after {stop_timeout_s:g} s)")
-      _stop(procs, stop_timeout_s, say)
-    for j, proc in enumerate(procs):
-      if j != i and proc.returncode not in (None, 0):
-        say(f"process {j}: {describe_exit(proc.returncode)}")
+    others = [j for j in range(len(procs)) if j not in done]
+    killed: set[int] = set()
+    if others:
+      say(f"stopping processes {others} (SIGTERM now, SIGKILL to any still alive after "
+          f"{stop_timeout_s:g} s)")
+      killed = _stop(procs, stop_timeout_s, say)
+    for j in others:
+      code_j = procs[j].returncode
+      if code_j == 0:
+        say(f"process {j} finished (status 0)")
+        continue
+      how = (f"still alive {stop_timeout_s:g} s after SIGTERM, killed by SIGKILL"
+             if j in killed else describe_exit(code_j))
+      say(f"process {j}: stopped after process {i} was lost ({how})")
     say(f"FAILED: process {i} was lost")
     return 1
   say(f"all {len(procs)} processes finished")
   return 0
 
 
-def _stop(procs, stop_timeout_s, say) -> None:
-  """SIGTERM to every live process, SIGKILL to those alive after stop_timeout_s."""
+def _stop(procs, stop_timeout_s, say) -> set[int]:
+  """SIGTERM to every live process, SIGKILL to those alive after stop_timeout_s.
+
+  Returns as soon as every process has exited.
+
+  Returns:
+    The indices of the processes that needed SIGKILL.
+  """
   for proc in procs:
     if proc.poll() is None:
       proc.terminate()
   deadline = time.monotonic() + stop_timeout_s
-  for proc in procs:
+  killed = set()
+  for i, proc in enumerate(procs):
     try:
       proc.wait(max(deadline - time.monotonic(), 0))
     except subprocess.TimeoutExpired:
       proc.kill()
+      killed.add(i)
   for i, proc in enumerate(procs):
     try:
       proc.wait(_KILL_WAIT_S)
     except subprocess.TimeoutExpired:
       say(f"process {i} (pid {proc.pid}) did not exit even after SIGKILL")
+  return killed
 
 
 def _pump(proc, index: int, log_path: str, terminal: TextIO, lock) -> None:

@@ -61,7 +61,8 @@ class ModelConfig:
       raise ValueError(f"d_model={self.d_model} must be divisible by "
                        f"num_heads={self.num_heads}")
     if (self.d_model // self.num_heads) % 2:
-      raise ValueError(f"head_dim={self.d_model // self.num_heads} must be even for RoPE")
+      raise ValueError(f"d_model={self.d_model} / num_heads={self.num_heads} = "
+                       f"{self.d_model // self.num_heads} (head_dim) must be even for RoPE")
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 

@@ -2,6 +2,10 @@
 
 The commands, in order (`--dry-run` prints exactly these):
 
+0. without --workers, count the workers (hosts) of the slice, for step 5:
+                                     gcloud compute tpus tpu-vm describe NAME --format=json
+   one networkEndpoints entry per worker (count_workers). If gcloud cannot tell, the launch
+   stops here, saying how to give the count (--workers).
 1. pack the source tree here:        tar -czf <log_dir>/ringflash-src.tar.gz -C <source> ...
 2. copy it to every worker:          gcloud compute tpus tpu-vm scp ... --worker=all
 3. unpack and install (tpu extra):   gcloud compute tpus tpu-vm ssh ... --worker=all
@@ -13,13 +17,16 @@ The commands, in order (`--dry-run` prints exactly these):
 5. collect one log per worker:       gcloud compute tpus tpu-vm scp NAME:ringflash-logs/job.log
                                      <log_dir>/worker_<w>.log --worker=<w>, w = 0 .. workers-1
 
-Steps 1-3 stop the launch on failure; step 5 runs whatever step 4 returned, and the launch
-exits with 1 if step 4 (or an earlier step) failed, else 0.
+Steps 2-4 reach every worker through gcloud's `--worker=all`, whatever their number; only
+step 5 names workers one by one, so only it needs the count. Steps 0-3 stop the launch on
+failure; step 5 runs whatever step 4 returned, and the launch exits with 1 if step 4 (or an
+earlier step) failed, else 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shlex
 import subprocess
@@ -36,13 +43,18 @@ REMOTE_SOURCE = "ringflash"                 # unpacked into ~/ringflash
 REMOTE_LOG = "ringflash-logs/job.log"       # relative to the remote home directory
 
 
+WORKER = "<w>"      # in a dry run's printout of step 5 when the count is not known yet
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
-  """One command of the launch. `always`: runs even after an earlier failure."""
+  """One command of the launch. `always`: runs even after an earlier failure.
+  `per_worker`: argv holds WORKER, to be read once per worker w (a dry run's printout)."""
 
   what: str
   argv: tuple[str, ...]
   always: bool = False
+  per_worker: bool = False
 
   def shell(self) -> str:
     return shlex.join(self.argv)
@@ -50,24 +62,74 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Slice:
-  """Where the job runs: a Cloud TPU VM named `name` in `zone` with `workers` hosts."""
+  """Where the job runs: a Cloud TPU VM named `name` in `zone` with `workers` hosts.
+
+  workers: None when not given: count_workers asks gcloud (needed only to collect the logs).
+  """
 
   name: str
   zone: str
-  workers: int
+  workers: int | None = None
   project: str | None = None
 
   def __post_init__(self):
     for field in ("name", "zone"):
       if not getattr(self, field):
         raise ValueError(f"{field} must be set")
-    if self.workers < 1:
+    if self.workers is not None and self.workers < 1:
       raise ValueError(f"workers must be >= 1 (hosts of the slice, e.g. 4 for v5p-32), "
                        f"got {self.workers}")
 
-  def gcloud(self, verb: str, *args: str, worker: str = "all") -> tuple[str, ...]:
+  def gcloud(self, verb: str, *args: str, worker: str | None = "all") -> tuple[str, ...]:
+    """`gcloud compute tpus tpu-vm <verb> <args> --zone --project [--worker]`; worker None
+    leaves --worker out (verbs about the slice, not its workers: describe)."""
     where = (f"--zone={self.zone}",) + ((f"--project={self.project}",) if self.project else ())
-    return ("gcloud", "compute", "tpus", "tpu-vm", verb, *args, *where, f"--worker={worker}")
+    return ("gcloud", "compute", "tpus", "tpu-vm", verb, *args, *where,
+            *((f"--worker={worker}",) if worker is not None else ()))
+
+
+def describe_command(where: Slice) -> tuple[str, ...]:
+  """gcloud's description of the slice as JSON; its networkEndpoints has one entry per worker."""
+  return where.gcloud("describe", where.name, "--format=json", worker=None)
+
+
+HOW_TO_GIVE_WORKERS = "give --workers=W, the hosts of the slice (e.g. 4 for v5p-32)"
+
+
+def count_workers(where: Slice, run=subprocess.run, timeout_s: float = 120.0) -> int:
+  """The workers (hosts) of the slice, as `gcloud compute tpus tpu-vm describe` lists them.
+
+  Args:
+    where: the slice.
+    run: subprocess.run, or a stand-in (tests).
+    timeout_s: bound on the gcloud call.
+
+  Raises:
+    ValueError: gcloud cannot tell (missing, failing, or no networkEndpoints); the message
+      names the command and says how to give the count instead (--workers).
+  """
+  argv = describe_command(where)
+  prefix = f"--workers is not given and `{shlex.join(argv)}`"
+  try:
+    done = run(argv, capture_output=True, text=True, check=False, timeout=timeout_s)
+  except FileNotFoundError:
+    raise ValueError(f"--workers is not given and gcloud, which could count the workers of "
+                     f"the slice, is not installed; {HOW_TO_GIVE_WORKERS}") from None
+  except subprocess.TimeoutExpired:
+    raise ValueError(f"{prefix} did not answer within {timeout_s:g} s; "
+                     f"{HOW_TO_GIVE_WORKERS}") from None
+  if done.returncode:
+    said = (done.stderr or "").strip().splitlines()      # gcloud's first line: its ERROR
+    raise ValueError(f"{prefix} failed (status {done.returncode}"
+                     f"{': ' + said[0].strip() if said else ''}); {HOW_TO_GIVE_WORKERS}")
+  try:
+    endpoints = json.loads(done.stdout)["networkEndpoints"]
+  except (ValueError, KeyError, TypeError):
+    endpoints = None
+  if not isinstance(endpoints, list) or not endpoints:
+    raise ValueError(f"{prefix} lists no networkEndpoints (one per worker); "
+                     f"{HOW_TO_GIVE_WORKERS}")
+  return len(endpoints)
 
 
 def source_entries(source_dir: str) -> tuple[str, ...]:
@@ -90,7 +152,9 @@ def steps(where: Slice, job: Sequence[str], *, source_dir: str, log_dir: str,
   """The commands that run `ringflash <job>` on every worker of the slice.
 
   Args:
-    where: the slice.
+    where: the slice. Without its worker count (workers None), the plan is for a dry run's
+      printout: it begins with the describe command (step 0) and step 5 is one per-worker
+      template; count the workers first (count_workers) for a plan that can run.
     job: the ringflash subcommand and its flags, e.g. ["check"] or ["train", "--steps=10"].
     source_dir: root of the ringflash source tree to copy.
     log_dir: local folder for the archive and the collected logs worker_<w>.log.
@@ -113,7 +177,10 @@ def steps(where: Slice, job: Sequence[str], *, source_dir: str, log_dir: str,
   remote_job = (f"cd ~ && mkdir -p ~/{log_parent} && "
                 f"{distributed.ENV_INIT_TIMEOUT_S}={init_timeout_s} {run} > ~/{REMOTE_LOG} 2>&1; "
                 f"status=$?; tail -n 5 ~/{REMOTE_LOG}; exit $status")
-  out = [
+  out = [] if where.workers else [
+      Step("count the workers of the slice (--workers not given): one networkEndpoints "
+           "entry each", describe_command(where))]
+  out += [
       Step("pack the source tree",
            ("tar", "-czf", archive, "--exclude=__pycache__", "-C", source_dir,
             *source_entries(source_dir))),
@@ -124,11 +191,17 @@ def steps(where: Slice, job: Sequence[str], *, source_dir: str, log_dir: str,
       Step("run the job on every worker",
            where.gcloud("ssh", where.name, "--command", remote_job)),
   ]
-  for w in range(where.workers):
-    out.append(Step(f"collect the log of worker {w}",
-                    where.gcloud("scp", f"{where.name}:{REMOTE_LOG}",
-                                 os.path.join(log_dir, f"worker_{w}.log"), worker=str(w)),
-                    always=True))
+
+  def collect(w: str) -> tuple[str, ...]:
+    return where.gcloud("scp", f"{where.name}:{REMOTE_LOG}",
+                        os.path.join(log_dir, f"worker_{w}.log"), worker=w)
+
+  if where.workers:
+    out += [Step(f"collect the log of worker {w}", collect(str(w)), always=True)
+            for w in range(where.workers)]
+  else:
+    out.append(Step(f"collect the log of worker {WORKER}, for each w = 0 .. W-1 (W: the "
+                    f"count above)", collect(WORKER), always=True, per_worker=True))
   return out
 
 
@@ -137,12 +210,18 @@ def launch(plan: Sequence[Step], *, dry_run: bool, terminal: TextIO) -> int:
 
   A failing step before the job stops the launch (status 1); the log collection steps run
   even when the job failed.
+
+  Raises:
+    ValueError: not a dry run, and the plan holds per-worker templates (see steps).
   """
   if dry_run:
     for step in plan:
       terminal.write(f"# {step.what}\n{step.shell()}\n")
     terminal.flush()
     return 0
+  if any(step.per_worker for step in plan):
+    raise ValueError("the plan has per-worker templates (a slice without its worker count); "
+                     "count the workers first (count_workers)")
   status = 0
   for step in plan:
     if status and not step.always:

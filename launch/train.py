@@ -13,7 +13,20 @@ newest --keep are kept), and --resume continues from the newest complete, verifi
 parameters, optimizer state, RNG key and data stream position are restored, so the resumed
 run computes exactly the steps the uninterrupted run would have (bit for bit on CPU, same
 mesh). The mesh may differ from the one that saved (another ring size): arrays are restored
-directly into the new shardings.
+directly into the new shardings. Progress is never lost silently: --resume needs
+--checkpoint_dir, and when complete checkpoints exist but none restores (the model or task
+flags changed, or the files are damaged) the run stops with an error naming each step and why,
+rather than starting at step 0 and saving over them.
+
+Before any work (ringflash.cli's contract) every flag is checked: by absl's bounds while
+parsing, then job_from_flags (relations between flags, directories), then, once the job's
+devices are known but before anything compiles, check_devices and Trainer.check_shapes. A
+mistake is one line naming the flag, and exit status 2.
+
+Stopping: on SIGTERM (a scheduler's preemption notice) every process saves the step it has
+reached and the run exits with PREEMPTED_STATUS (distributed.PreemptionNotice). With several
+processes, an error on one of them (a lost peer makes every collective fail) ends that process
+at once with status 1 (distributed.exit_promptly_on_error), so that the launcher sees it.
 
 Under `ringflash launch local --processes 2 --devices-per-process 4 -- train ...` every
 process runs this same program: it joins the job (ringflash.launch.distributed.initialize)
@@ -27,56 +40,81 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
+import sys
 import time
 from typing import Any
 
 from absl import flags
 from absl import logging
 
+from ringflash.cli import UsageError
+from ringflash.launch import distributed
+
 FLAGS = flags.FLAGS
 
+# The exit status of a run that saved on a preemption notice and stopped before --steps: what
+# a shell reports for a process ended by SIGTERM (128 + 15), so that a scheduler sees the job
+# as unfinished and starts it again (with --resume).
+PREEMPTED_STATUS = 143
 
-def define_flags() -> None:
-  """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
-  before parsing; importing the module (as tests do) defines nothing."""
-  flags.DEFINE_integer("steps", 240, "Training steps to run in total (a resumed run stops at the "
-                       "same step).")
-  flags.DEFINE_integer("seq_len", 4096, "Tokens per sequence.")
-  flags.DEFINE_integer("batch_size", 2, "Global batch size (sequences per step).")
-  flags.DEFINE_integer("data_parallel", 2, "Mesh size of the data (batch) axis.")
-  flags.DEFINE_integer("ring", 4, "Mesh size of the ring (sequence) axis \"sp\".")
-  flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices per process (platform cpu).")
+
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+  """Defines this command's flags on `flag_values` (absl's FLAGS by default). The ringflash
+  command calls it once before parsing; importing the module (as tests do) defines nothing.
+  `ringflash launch` defines them on a FlagValues of its own to check a job's flags before it
+  starts any process."""
+  fv = {"flag_values": flag_values}
+
+  def positive(name, default, help_):
+    flags.DEFINE_integer(name, default, help_, lower_bound=1, **fv)
+
+  positive("steps", 240, "Training steps to run in total (a resumed run stops at the same "
+           "step).")
+  positive("seq_len", 4096, "Tokens per sequence: even, divisible by --ring.")
+  positive("batch_size", 2, "Global batch size (sequences per step), divisible by "
+           "--data_parallel.")
+  positive("data_parallel", 2, "Mesh size of the data (batch) axis.")
+  positive("ring", 4, "Mesh size of the ring (sequence) axis \"sp\"; data_parallel x ring "
+           "devices are used.")
+  positive("cpu_devices", 8, "Simulated CPU devices per process (platform cpu).")
   flags.DEFINE_enum("platform", "cpu", ["cpu", "default"], "cpu: the simulated CPU mesh; "
-                    "default: whatever accelerator JAX finds.")
-  flags.DEFINE_integer("d_model", 64, "Model width.")
-  flags.DEFINE_integer("num_heads", 2, "Attention heads.")
-  flags.DEFINE_integer("num_layers", 1, "Transformer blocks (one suffices for the task).")
-  flags.DEFINE_integer("d_ff", 128, "MLP hidden width.")
-  flags.DEFINE_float("rope_base", 1e6, "RoPE wavelength base (large, as in long-context "
-                     "models: slow rotations let content match across thousands of tokens).")
-  flags.DEFINE_float("dropout", 0.0, "Residual dropout rate (uses the checkpointed RNG key).")
-  flags.DEFINE_float("learning_rate", 5e-3, "Peak learning rate (AdamW).")
-  flags.DEFINE_integer("warmup_steps", 10, "Linear warmup steps.")
-  flags.DEFINE_integer("seed", 0, "Seed of the parameters, RNG key and data stream.")
-  flags.DEFINE_integer("num_keys", 16, "Retrieval task: distinct keys.")
-  flags.DEFINE_integer("num_values", 8, "Retrieval task: distinct values (chance = 1/this).")
-  flags.DEFINE_integer("num_pairs", 16, "Retrieval task: (key, value) pairs stored per "
-                       "sequence in its first half.")
-  flags.DEFINE_integer("num_copies", 8, "Retrieval task: positions each stored pair occupies.")
-  flags.DEFINE_integer("num_queries", 64, "Retrieval task: queries per sequence in its second "
-                       "half.")
-  flags.DEFINE_integer("num_fillers", 16, "Retrieval task: distinct filler tokens.")
-  flags.DEFINE_string("backend", "auto", "Ring attention backend.")
-  flags.DEFINE_string("checkpoint_dir", None, "Directory of checkpoints (none: no checkpoints).")
-  flags.DEFINE_integer("save_every", 50, "Save a checkpoint every this many steps.")
-  flags.DEFINE_integer("keep", 3, "Checkpoints to keep.")
-  flags.DEFINE_bool("async_save", True, "Write checkpoints in the background.")
-  flags.DEFINE_bool("resume", False, "Continue from the newest complete checkpoint.")
+                    "default: whatever accelerator JAX finds.", **fv)
+  positive("d_model", 64, "Model width, divisible by --num_heads.")
+  positive("num_heads", 2, "Attention heads; d_model / num_heads must be even (RoPE).")
+  positive("num_layers", 1, "Transformer blocks (one suffices for the task).")
+  positive("d_ff", 128, "MLP hidden width.")
+  flags.DEFINE_float("rope_base", 1e6, "RoPE wavelength base, > 0 (large, as in long-context "
+                     "models: slow rotations let content match across thousands of tokens).",
+                     **fv)
+  flags.DEFINE_float("dropout", 0.0, "Residual dropout rate in [0, 1) (uses the checkpointed "
+                     "RNG key).", lower_bound=0.0, **fv)
+  flags.DEFINE_float("learning_rate", 5e-3, "Peak learning rate (AdamW), > 0.", **fv)
+  flags.DEFINE_integer("warmup_steps", 10, "Linear warmup steps.", lower_bound=0, **fv)
+  flags.DEFINE_integer("seed", 0, "Seed of the parameters, RNG key and data stream.",
+                       lower_bound=0, **fv)
+  positive("num_keys", 16, "Retrieval task: distinct keys.")
+  positive("num_values", 8, "Retrieval task: distinct values (chance = 1/this).")
+  positive("num_pairs", 16, "Retrieval task: (key, value) pairs stored per sequence in its "
+           "first half; at most --num_keys.")
+  positive("num_copies", 8, "Retrieval task: positions each stored pair occupies.")
+  positive("num_queries", 64, "Retrieval task: queries per sequence in its second half.")
+  positive("num_fillers", 16, "Retrieval task: distinct filler tokens.")
+  flags.DEFINE_string("backend", "auto", "Ring attention backend.", **fv)
+  flags.DEFINE_string("checkpoint_dir", None, "Directory of checkpoints (none: no "
+                      "checkpoints).", **fv)
+  positive("save_every", 50, "Save a checkpoint every this many steps.")
+  positive("keep", 3, "Checkpoints to keep.")
+  flags.DEFINE_bool("async_save", True, "Write checkpoints in the background.", **fv)
+  flags.DEFINE_bool("resume", False, "Continue from the newest complete checkpoint in "
+                    "--checkpoint_dir (which must be given); an error if checkpoints exist "
+                    "but none restores.", **fv)
   flags.DEFINE_string("metrics_file", None, "Append one JSON line per step (step, loss, "
-                      "accuracy) here; process 0 only.")
+                      "accuracy) here; process 0 only.", **fv)
   flags.DEFINE_integer("crash_after_save_starts", -1, "Fault injection for tests: SIGKILL this "
-                       "process right after the save of this step has started (write in flight).")
+                       "process right after the save of this step has started (write in "
+                       "flight).", lower_bound=-1, **fv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +211,22 @@ class Trainer:
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), shapes)
 
+  def check_shapes(self) -> None:
+    """Traces one training step on abstract inputs: nothing is compiled or run.
+
+    Raises:
+      ValueError, NotImplementedError: what ring_attention (or the model) refuses about the
+        shapes and options of this configuration, before any collective exists.
+    """
+    import jax                                    # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp                       # pylint: disable=g-import-not-at-top
+    shape = (self.config.batch_size, self.config.task.seq_len)
+    batch = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=self.tokens)
+             for name, dtype in (("tokens", jnp.int32), ("positions", jnp.int32),
+                                 ("targets", jnp.int32), ("weights", jnp.float32))}
+    with self._mesh_context():
+      jax.eval_shape(self._train_step, self.abstract_state(), batch)
+
   def batch(self, step: int) -> dict:
     """The global batch of `step`, as arrays sharded P("data", "sp") over the mesh.
 
@@ -202,50 +256,169 @@ class Trainer:
     return jax.set_mesh(self.mesh)
 
 
-def config_from_flags() -> RunConfig:
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """A checked `ringflash train` command line: the run and everything around it."""
+
+  config: RunConfig
+  checkpoint_dir: str | None
+  save_every: int
+  keep: int
+  async_save: bool
+  resume: bool
+  metrics_file: str | None
+  crash_after_save_starts: int
+  platform: str
+  cpu_devices: int
+
+
+def job_from_flags(values: flags.FlagValues = FLAGS) -> Job:
+  """Every flag of `ringflash train`, checked; nothing is touched (no device, no file).
+
+  absl's bounds have refused non-positive sizes while parsing; this checks what relates
+  flags to each other and to the file system. What needs the device count is check_devices,
+  what needs ring attention's own rules is Trainer.check_shapes.
+
+  Raises:
+    UsageError: naming the flag and what is allowed.
+  """
   from ringflash.launch import data, model        # pylint: disable=g-import-not-at-top
-  task = data.TaskConfig(seq_len=FLAGS.seq_len, num_keys=FLAGS.num_keys,
-                         num_values=FLAGS.num_values, num_pairs=FLAGS.num_pairs,
-                         num_copies=FLAGS.num_copies,
-                         num_queries=FLAGS.num_queries, num_fillers=FLAGS.num_fillers)
-  mcfg = model.ModelConfig(vocab_size=task.vocab_size, d_model=FLAGS.d_model,
-                           num_heads=FLAGS.num_heads, num_layers=FLAGS.num_layers,
-                           d_ff=FLAGS.d_ff, rope_base=FLAGS.rope_base,
-                           dropout=FLAGS.dropout)
-  return RunConfig(model=mcfg, task=task, batch_size=FLAGS.batch_size,
-                   data_parallel=FLAGS.data_parallel, ring=FLAGS.ring,
-                   learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
-                   total_steps=FLAGS.steps, seed=FLAGS.seed, backend=FLAGS.backend)
+  v = values
+  if v.batch_size % v.data_parallel:
+    raise UsageError(f"--batch_size={v.batch_size} must be divisible by "
+                     f"--data_parallel={v.data_parallel} (each data-parallel group takes "
+                     f"batch_size / data_parallel sequences)")
+  if v.seq_len % v.ring:
+    raise UsageError(f"--seq_len={v.seq_len} must be divisible by --ring={v.ring} (each "
+                     f"device of a ring holds seq_len / ring tokens)")
+  for name in ("learning_rate", "rope_base"):
+    if not v[name].value > 0:
+      raise UsageError(f"--{name} must be > 0, got {v[name].value}")
+  if v.resume and not v.checkpoint_dir:
+    raise UsageError("--resume needs --checkpoint_dir (the directory to resume from)")
+  if v.checkpoint_dir:
+    problem = distributed.directory_problem(v.checkpoint_dir)
+    if problem:
+      raise UsageError(f"--checkpoint_dir={v.checkpoint_dir}: {problem}")
+  if v.metrics_file:
+    # appended to, in a folder created if missing
+    problem = ("it is a directory" if os.path.isdir(v.metrics_file) else
+               distributed.directory_problem(os.path.dirname(os.path.abspath(v.metrics_file))))
+    if problem:
+      raise UsageError(f"--metrics_file={v.metrics_file}: {problem}")
+  try:
+    task = data.TaskConfig(seq_len=v.seq_len, num_keys=v.num_keys, num_values=v.num_values,
+                           num_pairs=v.num_pairs, num_copies=v.num_copies,
+                           num_queries=v.num_queries, num_fillers=v.num_fillers)
+    mcfg = model.ModelConfig(vocab_size=task.vocab_size, d_model=v.d_model,
+                             num_heads=v.num_heads, num_layers=v.num_layers, d_ff=v.d_ff,
+                             rope_base=v.rope_base, dropout=v.dropout)
+  except ValueError as err:
+    raise _usage(err, values) from None
+  config = RunConfig(model=mcfg, task=task, batch_size=v.batch_size,
+                     data_parallel=v.data_parallel, ring=v.ring,
+                     learning_rate=v.learning_rate, warmup_steps=v.warmup_steps,
+                     total_steps=v.steps, seed=v.seed, backend=v.backend)
+  return Job(config=config, checkpoint_dir=v.checkpoint_dir, save_every=v.save_every,
+             keep=v.keep, async_save=v.async_save, resume=v.resume,
+             metrics_file=v.metrics_file, crash_after_save_starts=v.crash_after_save_starts,
+             platform=v.platform, cpu_devices=v.cpu_devices)
+
+
+def check_devices(config: RunConfig, device_count: int) -> None:
+  """The mesh data_parallel x ring must fit the job's devices.
+
+  Raises:
+    UsageError: naming --data_parallel and --ring.
+  """
+  needed = config.data_parallel * config.ring
+  if needed > device_count:
+    raise UsageError(f"--data_parallel={config.data_parallel} x --ring={config.ring} needs "
+                     f"{needed} devices, the job has {device_count}")
+
+
+def _usage(err: Exception, values: flags.FlagValues, otherwise: str = "") -> UsageError:
+  """A library's ValueError as a UsageError: a message that starts with a field named like a
+  flag names that flag (`seq_len must be even` -> `--seq_len must be even`); any other
+  message gets `otherwise` in front."""
+  text = str(err)
+  first = re.match(r"[a-z_]+", text)
+  if first and first.group(0) in values:
+    return UsageError(f"--{text}")
+  return UsageError(f"{otherwise}{text}")
 
 
 def _identity(config: RunConfig) -> dict:
-  """What a checkpoint must agree with to be resumed (the mesh may differ)."""
-  return {"model": dataclasses.asdict(config.model), "task": dataclasses.asdict(config.task),
-          "batch_size": config.batch_size, "seed": config.seed}
+  """What a checkpoint must agree with to be resumed (the mesh may differ), as JSON reads it."""
+  return json.loads(json.dumps({
+      "model": dataclasses.asdict(config.model), "task": dataclasses.asdict(config.task),
+      "batch_size": config.batch_size, "seed": config.seed}))
 
 
-def _configure_jax() -> None:
-  """Platform and device count, before any backend initializes."""
+def _same_run(config: RunConfig):
+  """The check_meta of Checkpoints.restore_latest: the step's run identity must be this one."""
+  want = _identity(config)
+
+  def flat(tree, prefix=""):       # {"model": {"d_model": 64}} -> {"model.d_model": 64}
+    if not isinstance(tree, dict):
+      return {prefix.rstrip("."): tree}
+    return {k: x for key, sub in tree.items() for k, x in flat(sub, f"{prefix}{key}.").items()}
+
+  def check(meta: dict) -> str | None:
+    saved = meta.get("run")
+    if not isinstance(saved, dict):
+      return "its metadata does not say which run configuration saved it"
+    have, now = flat(saved), flat(want)
+    diffs = [f"{k} {have.get(k)!r} there, {now.get(k)!r} now"
+             for k in sorted(set(have) | set(now)) if have.get(k) != now.get(k)]
+    if diffs:
+      return "saved by another run configuration (" + ", ".join(diffs) + ")"
+    return None
+
+  return check
+
+
+def _configure_jax(job: Job) -> "distributed.Processes":
+  """Platform and device count, before any backend initializes; joins the job."""
   import jax                                      # pylint: disable=g-import-not-at-top
-  if FLAGS.platform == "cpu":
+  if job.platform == "cpu":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
+    jax.config.update("jax_num_cpu_devices", job.cpu_devices)
   # Joins the multi-process job under `ringflash launch` (RINGFLASH_* environment); there
   # RINGFLASH_DEVICES_PER_PROCESS overrides --cpu_devices. A no-op for a single process.
-  from ringflash.launch import distributed        # pylint: disable=g-import-not-at-top
-  distributed.initialize()
+  return distributed.initialize()
 
 
-def run(config: RunConfig, *, checkpoint_dir: str | None, save_every: int, keep: int,
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """What a run did: the metrics of the steps run here, and where a preemption notice
+  stopped it (None: it ran to config.total_steps)."""
+
+  history: list[dict]
+  preempted_at: int | None = None
+
+
+def run(trainer: Trainer, *, checkpoint_dir: str | None, save_every: int, keep: int,
         async_save: bool, resume: bool, metrics_file: str | None = None,
-        crash_after_save_starts: int = -1, log=print) -> list[dict]:
-  """Trains to config.total_steps; returns the metrics of the steps run here."""
+        crash_after_save_starts: int = -1, log=print) -> Outcome:
+  """Trains to trainer.config.total_steps, or until a preemption notice (SIGTERM).
+
+  On the notice every process saves the step it has reached (with checkpoint_dir) and the
+  run stops there: see distributed.PreemptionNotice.
+
+  Raises:
+    checkpointing.NoUsableCheckpointError: resume, and complete checkpoints exist but none
+      restores (another run configuration, unreadable, corrupted); nothing was trained.
+    ValueError: resume without checkpoint_dir.
+  """
   import jax                                      # pylint: disable=g-import-not-at-top
 
   from ringflash.launch import checkpointing      # pylint: disable=g-import-not-at-top
 
-  trainer = Trainer(config)
+  if resume and not checkpoint_dir:
+    raise ValueError("resume needs a checkpoint_dir")
+  config = trainer.config
   lead = jax.process_index() == 0
   say = log if lead else (lambda _: None)
   ckpt = None
@@ -253,15 +426,11 @@ def run(config: RunConfig, *, checkpoint_dir: str | None, save_every: int, keep:
     ckpt = checkpointing.Checkpoints(checkpoint_dir, save_every=save_every, keep=keep,
                                      async_save=async_save, log=say)
   state = None
-  if resume and ckpt is not None:
-    restored = ckpt.restore_latest(trainer.abstract_state())
+  if resume:
+    restored = ckpt.restore_latest(trainer.abstract_state(), check_meta=_same_run(config))
     if restored is None:
-      say("resume: no usable checkpoint, starting from step 0")
+      say(f"resume: no checkpoint in {ckpt.directory} yet, starting from step 0")
     else:
-      if restored.meta.get("run") != _identity(config):
-        raise ValueError(f"checkpoint step {restored.step} in {checkpoint_dir} was saved by "
-                         f"another run configuration: {restored.meta.get('run')} vs "
-                         f"{_identity(config)}")
       state = restored.state
       say(f"resume: restored step {restored.step} from {ckpt.directory} "
           f"(data stream at step {restored.meta['data']['next_step']})")
@@ -274,28 +443,44 @@ def run(config: RunConfig, *, checkpoint_dir: str | None, save_every: int, keep:
       f"batch {config.batch_size}, steps {start}..{config.total_steps}, "
       f"chance accuracy {config.task.chance:.4f}")
   history = []
+  preempted_at = None
   t_start = time.perf_counter()
-  metrics_out = open(metrics_file, "a") if (metrics_file and lead) else None
+  metrics_out = None
+  if metrics_file and lead:
+    os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+    metrics_out = open(metrics_file, "a")
   try:
-    for step in range(start, config.total_steps):
-      t0 = time.perf_counter()
-      state, metrics = trainer.step(state, trainer.batch(step))
-      loss, acc = (float(x) for x in jax.device_get((metrics["loss"], metrics["accuracy"])))
-      elapsed = time.perf_counter() - t0
-      done = step + 1
-      record = {"step": done, "loss": loss, "accuracy": acc}
-      history.append(record)
-      say(f"step {done} loss {loss:.4f} acc {acc:.3f} (chance {config.task.chance:.3f}) "
-          f"tokens/s {tokens_per_step / elapsed:.0f}")
-      if metrics_out is not None:
-        metrics_out.write(json.dumps(record) + "\n")
-        metrics_out.flush()
-      if ckpt is not None:
+    with distributed.PreemptionNotice() as notice:
+      for step in range(start, config.total_steps):
+        t0 = time.perf_counter()
+        state, metrics = trainer.step(state, trainer.batch(step))
+        loss, acc = (float(x) for x in jax.device_get((metrics["loss"], metrics["accuracy"])))
+        elapsed = time.perf_counter() - t0
+        done = step + 1
+        record = {"step": done, "loss": loss, "accuracy": acc}
+        history.append(record)
+        say(f"step {done} loss {loss:.4f} acc {acc:.3f} (chance {config.task.chance:.3f}) "
+            f"tokens/s {tokens_per_step / elapsed:.0f}")
+        if metrics_out is not None:
+          metrics_out.write(json.dumps(record) + "\n")
+          metrics_out.flush()
+        saved = False
         meta = {"data": {"seed": config.seed, "next_step": done}, "run": _identity(config)}
-        started = ckpt.save(done, state, meta)
-        if started and done == crash_after_save_starts:
-          say(f"fault injection: SIGKILL while the save of step {done} is in flight")
-          os.kill(os.getpid(), signal.SIGKILL)
+        if ckpt is not None:
+          saved = ckpt.save(done, state, meta)
+          if saved and done == crash_after_save_starts:
+            say(f"fault injection: SIGKILL while the save of step {done} is in flight")
+            os.kill(os.getpid(), signal.SIGKILL)
+        # Every process asks at every step; all of them get the same answer at the same step.
+        if done < config.total_steps and notice.reached(done):
+          preempted_at = done
+          if ckpt is not None and not saved:
+            ckpt.save(done, state, meta, force=True)
+          where = (f"saved step {done} in {ckpt.directory}" if ckpt is not None
+                   else "no --checkpoint_dir, nothing saved")
+          say(f"train: preemption notice (SIGTERM): {where}; stopping at step {done} of "
+              f"{config.total_steps}")
+          break
     if ckpt is not None:
       ckpt.close()
     if history:
@@ -308,15 +493,34 @@ def run(config: RunConfig, *, checkpoint_dir: str | None, save_every: int, keep:
   finally:
     if metrics_out is not None:
       metrics_out.close()
-  return history
+  return Outcome(history=history, preempted_at=preempted_at)
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise ValueError(f"unexpected arguments: {argv[1:]}")
+  del argv                           # ringflash.cli refuses positional arguments
+  job = job_from_flags()             # every flag, before anything is touched
   logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
-  _configure_jax()
-  run(config_from_flags(), checkpoint_dir=FLAGS.checkpoint_dir, save_every=FLAGS.save_every,
-      keep=FLAGS.keep, async_save=FLAGS.async_save, resume=FLAGS.resume,
-      metrics_file=FLAGS.metrics_file, crash_after_save_starts=FLAGS.crash_after_save_starts,
-      log=lambda msg: print(msg, flush=True))
+  _configure_jax(job)
+  import jax                                      # pylint: disable=g-import-not-at-top
+
+  from ringflash.launch import checkpointing      # pylint: disable=g-import-not-at-top
+  with distributed.exit_promptly_on_error("train"):
+    check_devices(job.config, jax.device_count())
+    trainer = Trainer(job.config)
+    try:
+      trainer.check_shapes()
+    except (ValueError, NotImplementedError) as err:
+      raise _usage(err, FLAGS, "ring attention refuses what these flags give: ") from None
+    try:
+      outcome = run(trainer, checkpoint_dir=job.checkpoint_dir, save_every=job.save_every,
+                    keep=job.keep, async_save=job.async_save, resume=job.resume,
+                    metrics_file=job.metrics_file,
+                    crash_after_save_starts=job.crash_after_save_starts,
+                    log=lambda msg: print(msg, flush=True))
+    except checkpointing.NoUsableCheckpointError as err:
+      # Found alike by every process (the same directory).
+      print(f"ringflash train: {err}; to start afresh, give another --checkpoint_dir",
+            file=sys.stderr, flush=True)
+      sys.exit(1)
+  if outcome.preempted_at is not None:
+    sys.exit(PREEMPTED_STATUS)

@@ -127,36 +127,105 @@ def test_mismatched_shapes_detected_before_ring_attention():
     assert "max error" not in out       # ring attention never ran
 
 
-def test_killed_process_stops_the_launch(tmp_path):
+def kill_during_launch(tmp_path, job: list[str], ready: str, victim: int,
+                       stop_timeout_s: float = 60) -> tuple[str, int, float]:
+  """Launches `job` on 2 processes x 2 CPU devices, SIGKILLs process `victim` once a line
+  starting with `ready` appears, and returns (launcher output, victim's pid, seconds from
+  the kill to the launcher's exit)."""
   command = [PYTHON, "-m", "ringflash.cli", "launch", "local", "--processes=2",
-             "--devices-per-process=2", f"--log_dir={tmp_path}", "--stop_timeout_s=3",
-             "--init_timeout_s=60", "--", "check", "--seq_len=64", "--repeat=1000000"]
+             "--devices-per-process=2", f"--log_dir={tmp_path}",
+             f"--stop_timeout_s={stop_timeout_s}", "--init_timeout_s=60", "--", *job]
   launcher = subprocess.Popen(command, env=job_env(), cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
   lines: list[str] = []
   reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
   reader.start()
   try:
-    deadline = time.monotonic() + 120
-    while not any(l.startswith("[1] process 1: pass 2/") for l in lines):
+    deadline = time.monotonic() + 150
+    while not any(l.startswith(ready) for l in lines):
       assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
-      time.sleep(0.2)
-    pid = int(next(re.search(r"process 1: pid (\d+)", l).group(1) for l in lines
-                   if re.search(r"process 1: pid \d+", l)))
+      time.sleep(0.1)
+    pid = int(next(re.search(rf"process {victim}: pid (\d+)", l).group(1) for l in lines
+                   if re.search(rf"process {victim}: pid \d+", l)))
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    code = launcher.wait(timeout=60)
-    assert time.monotonic() - killed_at < 60
+    launcher.wait(timeout=max(stop_timeout_s, 10) + 30)
+    seconds = time.monotonic() - killed_at
   finally:
     if launcher.poll() is None:
       launcher.kill()
       launcher.wait()
   reader.join(10)
-  text = "".join(lines)
-  assert code != 0, text[-3000:]
-  assert f"lost process 1 (pid {pid}): killed by signal SIGKILL" in text, text[-3000:]
-  assert "FAILED: process 1 was lost" in text
+  return "".join(lines), pid, seconds
+
+
+def assert_lost_and_stopped(text: str, lost: int, pid: int, stopped: int,
+                            how: tuple[str, ...]) -> None:
+  """The launcher names the killed process as the cause and the other as stopped by it,
+  ended in one of the ways `how` (never the launcher's SIGKILL)."""
+  assert f"lost process {lost} (pid {pid}): killed by signal SIGKILL" in text, text[-3000:]
+  stopped_line = re.search(rf"process {stopped}: stopped after process {lost} was lost "
+                           rf"\((.*)\)$", text, re.M)
+  assert stopped_line and stopped_line.group(1) in how, text[-3000:]
+  assert f"FAILED: process {lost} was lost" in text
+  assert f"lost process {stopped}" not in text
+
+
+def test_killed_process_stops_the_launch(tmp_path):
+  """`check` across processes: the survivor's collective fails (status 1), or, blocked on a
+  send to the dead peer, it ends at the launcher's SIGTERM (check has nothing to save)."""
+  text, pid, seconds = kill_during_launch(
+      tmp_path, ["check", "--seq_len=64", "--repeat=1000000"], "[1] process 1: pass 2/",
+      victim=1)
+  assert seconds < 10, text[-3000:]
+  assert_lost_and_stopped(text, lost=1, pid=pid, stopped=0,
+                          how=("exited with status 1", "killed by signal SIGTERM"))
   assert os.path.exists(tmp_path / "process_0.log")
+
+
+TRAIN_TINY = ["train", "--steps=100000", "--seq_len=64", "--batch_size=2", "--data_parallel=2",
+              "--ring=2", "--d_model=16", "--num_heads=2", "--d_ff=32", "--num_keys=4",
+              "--num_pairs=2", "--num_copies=2", "--num_queries=4", "--num_values=4",
+              "--num_fillers=4"]
+
+
+def test_lost_training_process_ends_the_launch_within_seconds(tmp_path):
+  """The issue's case, small: a training job of 2 processes, process 1 SIGKILLed mid-run.
+  Process 0's all-reduce fails ("Connection closed by peer"); it prints the error and ends at
+  once instead of waiting in the runtime's shutdown barrier; the launcher, whose SIGKILL
+  would come only after --stop_timeout_s=60, exits within 10 s and blames process 1."""
+  text, pid, seconds = kill_during_launch(tmp_path, TRAIN_TINY, "[0] step 3 ", victim=1)
+  assert seconds < 10, text[-3000:]
+  assert_lost_and_stopped(text, lost=1, pid=pid, stopped=0, how=("exited with status 1",))
+  assert "[0] process 0 of 2: ending at once (status 1)" in text, text[-3000:]
+  assert re.search(r"^\[0\] jax\.errors\.JaxRuntimeError: .*Gloo", text, re.M), text[-3000:]
+
+
+def test_supervisor_names_lost_and_stopped_processes(tmp_path, monkeypatch):
+  """The launcher alone, on stand-in processes (`python` is a shell script): process 1 dies of
+  SIGKILL; process 0 exits 1 on SIGTERM (as a job whose collective fails) or ignores it."""
+  script = tmp_path / "job.sh"
+  script.write_text(
+      "#!/bin/bash\n"
+      "if [ \"$RINGFLASH_PROCESS_ID\" = 1 ]; then sleep 0.5; kill -9 $$; fi\n"
+      "if [ \"$MODE\" = ignore ]; then trap '' TERM; else trap 'exit 1' TERM; fi\n"
+      "for i in $(seq 300); do sleep 0.1; done\n")
+  script.chmod(0o755)
+  for mode, stop_timeout_s, how in (
+      ("exit", 30.0, "exited with status 1"),
+      ("ignore", 1.0, "still alive 1 s after SIGTERM, killed by SIGKILL")):
+    monkeypatch.setenv("MODE", mode)
+    terminal = io.StringIO()
+    started = time.monotonic()
+    status = local.launch(["check"], processes=2, devices_per_process=1,
+                          log_dir=str(tmp_path / mode), stop_timeout_s=stop_timeout_s,
+                          python=str(script), terminal=terminal)
+    seconds = time.monotonic() - started
+    text = terminal.getvalue()
+    assert status == 1, text
+    assert re.search(r"lost process 1 \(pid \d+\): killed by signal SIGKILL", text), text
+    assert f"process 0: stopped after process 1 was lost ({how})" in text, text
+    assert seconds < 10, text          # no wait for --stop_timeout_s=30 when 0 exits itself
 
 
 def test_process_that_never_starts_fails_the_others():
@@ -252,6 +321,75 @@ def test_launch_refuses_bad_platform_arguments_before_starting(tmp_path, kwargs,
     local.launch(["check"], processes=2, devices_per_process=1, log_dir=str(tmp_path / "l"),
                  terminal=terminal, **kwargs)
   assert terminal.getvalue() == "" and not (tmp_path / "l").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# A user's mistake: one line naming the flag, status 2, before any work.
+
+def assert_usage_error(run: subprocess.CompletedProcess, command: str, message: str) -> None:
+  assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+  lines = run.stderr.splitlines()
+  assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+  assert lines[0].startswith(f"ringflash {command}: ") and message in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args,devices,message", [
+    (["--seq_len=100"], 8, "--seq_len=100 must be divisible by the number of global devices, 8"),
+    (["--heads=3", "--kv_heads=2"], 1, "--heads=3 must be a multiple of --kv_heads=2"),
+    (["--batch=0"], 1, "flag --batch=0: 0 is not a positive integer"),
+    (["extra"], 1, "takes flags only, got the argument(s) extra"),
+    (["--out_dir={file}/out"], 1, "{file} is a file, not a directory"),
+])
+def test_check_refuses_bad_flags_in_one_line(tmp_path, args, devices, message):
+  afile = tmp_path / "afile"
+  afile.write_text("")
+  run = ringflash("check", *(a.format(file=afile) for a in args), timeout=120,
+                  env=job_env(RINGFLASH_DEVICES_PER_PROCESS=str(devices)))
+  assert_usage_error(run, "check", message.format(file=afile))
+  assert run.stdout == ""                  # refused before the check started
+
+
+def test_flag_refuted_by_the_job_devices_ends_every_process_at_once():
+  """Two processes started by hand with --seq_len=102 over 2 x 2 devices: each joins the job,
+  learns the device count, and leaves with the one line and status 2 (no collective ran)."""
+  port = local.free_port()
+  started = time.monotonic()
+  procs = [start_process(i, 2, port, "--seq_len=102") for i in (0, 1)]
+  for code, out in finish(procs, timeout=120):
+    assert code == 2, out[-2000:]
+    assert ("ringflash check: --seq_len=102 must be divisible by the number of global "
+            "devices, 4") in out, out[-2000:]
+    assert "Traceback" not in out and "max error" not in out
+  assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("args,message", [
+    (["local", "extra", "--", "check"], "must start with a ringflash subcommand, one of "),
+    (["local", "--processes=2", "--devices-per-process=4", "--", "check", "--seq_len=100"],
+     "job check: --seq_len=100 must be divisible by the number of global devices, 8"),
+    (["local", "--", "train", "--ring=16"],
+     "job train: --data_parallel=2 x --ring=16 needs 32 devices, the job has 8"),
+    (["local", "--", "train", "--seq_len=0"],
+     "job train: flag --seq_len=0: 0 is not a positive integer"),
+    (["local", "--", "check", "extra"], "job check: takes flags only, got the argument(s) extra"),
+    (["local", "--name=slice", "--", "check"],
+     "--name is a flag of `launch tpu`, not `launch local`"),
+    (["local", "--log_dir={file}/logs", "--", "check"], "{file} is a file, not a directory"),
+    (["tpu", "--zone=z", "--dry-run", "--", "check"], "--name must be set"),
+    (["tpu", "--name=n", "--zone=z", "--processes=3", "--dry-run"],
+     "--processes is a flag of `launch local`, not `launch tpu`"),
+    (["elsewhere"], "the target must be one of local, tpu, got 'elsewhere'"),
+])
+def test_launch_refuses_bad_arguments_before_starting(tmp_path, args, message):
+  afile = tmp_path / "afile"
+  afile.write_text("")
+  logs = tmp_path / "logs"
+  args = [a.format(file=afile) for a in args]
+  if not any(a.startswith("--log_dir") for a in args) and args[0] != "elsewhere":
+    args.insert(1, f"--log_dir={logs}")
+  run = ringflash("launch", *args, timeout=120)
+  assert_usage_error(run, "launch", message.format(file=afile))
+  assert run.stdout == "" and not logs.exists()       # nothing started, nothing written
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,3 +498,107 @@ def test_tpu_slice_validated():
     tpu.Slice(name="n", zone="z", workers=0)
   with pytest.raises(ValueError, match="zone must be set"):
     tpu.Slice(name="n", zone="", workers=1)
+  assert tpu.Slice(name="n", zone="z").workers is None        # counted when needed
+
+
+def test_tpu_dry_run_without_workers_counts_them_first(tmp_path):
+  """Without --workers: the fan-out is --worker=all as before; the plan starts with the
+  describe command that counts the workers, and the log collection is one template."""
+  run = ringflash("launch", "tpu", "--name=rf", "--zone=us-east5-a", "--dry-run",
+                  f"--log_dir={tmp_path}", "--", "check", timeout=60)
+  assert run.returncode == 0, run.stderr[-2000:]
+  lines = run.stdout.splitlines()
+  gcloud = "gcloud compute tpus tpu-vm"
+  assert lines[0].startswith("# count the workers of the slice (--workers not given)")
+  assert lines[1] == f"{gcloud} describe rf --format=json --zone=us-east5-a"
+  assert [l for l in lines if l.startswith("#")][1:5] == [
+      "# pack the source tree", "# copy it to every worker",
+      "# install ringflash[tpu] on every worker", "# run the job on every worker"]
+  assert sum("--worker=all" in l for l in lines) == 3
+  assert lines[-2] == ("# collect the log of worker <w>, for each w = 0 .. W-1 (W: the count "
+                       "above)")
+  assert shlex.split(lines[-1]) == [*gcloud.split(), "scp", "rf:ringflash-logs/job.log",
+                                    f"{tmp_path}/worker_<w>.log", "--zone=us-east5-a",
+                                    "--worker=<w>"]
+  assert os.listdir(tmp_path) == []
+
+
+def _described(stdout: str, returncode: int = 0, stderr: str = ""):
+  calls = []
+
+  def run(argv, **kwargs):
+    calls.append((argv, kwargs))
+    return subprocess.CompletedProcess(argv, returncode, stdout=stdout, stderr=stderr)
+
+  return run, calls
+
+
+def test_tpu_workers_counted_from_the_network_endpoints():
+  where = tpu.Slice(name="rf", zone="z", project="p")
+  endpoints = [{"ipAddress": f"10.0.0.{i}", "port": 8470} for i in range(4)]
+  run, calls = _described(json.dumps({"name": "rf", "networkEndpoints": endpoints}))
+  assert tpu.count_workers(where, run=run) == 4
+  ((argv, kwargs),) = calls
+  assert argv == ("gcloud", "compute", "tpus", "tpu-vm", "describe", "rf", "--format=json",
+                  "--zone=z", "--project=p")
+  assert kwargs["timeout"] > 0
+
+
+@pytest.mark.parametrize("stdout,returncode,stderr,message", [
+    ("", 1, "ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: rf\nmore",
+     "failed (status 1: ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: rf)"),
+    ('{"name": "rf"}', 0, "", "lists no networkEndpoints (one per worker)"),
+    ("not json", 0, "", "lists no networkEndpoints (one per worker)"),
+])
+def test_tpu_workers_that_cannot_be_counted_say_how_to_give_them(stdout, returncode, stderr,
+                                                                 message):
+  run, _ = _described(stdout, returncode, stderr)
+  with pytest.raises(ValueError) as err:
+    tpu.count_workers(tpu.Slice(name="rf", zone="z"), run=run)
+  assert message in str(err.value)
+  assert str(err.value).endswith("give --workers=W, the hosts of the slice (e.g. 4 for v5p-32)")
+
+  def missing(argv, **kwargs):
+    raise FileNotFoundError(argv[0])
+
+  with pytest.raises(ValueError, match="gcloud, which could count the workers of the slice, "
+                                       "is not installed; give --workers=W"):
+    tpu.count_workers(tpu.Slice(name="rf", zone="z"), run=missing)
+
+
+FAKE_GCLOUD = """#!/bin/bash
+echo "$*" >> "$GCLOUD_CALLS"
+if [ "$4" = describe ]; then
+  echo '{"networkEndpoints": [{"ipAddress": "10.0.0.1"}, {"ipAddress": "10.0.0.2"}]}'
+fi
+"""
+
+
+def test_tpu_launch_without_workers_asks_gcloud_then_collects_each_log(tmp_path):
+  """A stand-in gcloud that records its calls: the slice says 2 workers, so 2 logs."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
+  (bin_dir / "gcloud").chmod(0o755)
+  calls = tmp_path / "calls.txt"
+  env = job_env(PATH=f"{bin_dir}:{os.environ['PATH']}", GCLOUD_CALLS=str(calls))
+  run = ringflash("launch", "tpu", "--name=rf", "--zone=z", f"--log_dir={tmp_path / 'logs'}",
+                  "--", "check", timeout=120, env=env)
+  assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+  verbs = [line.split()[3:5] for line in calls.read_text().splitlines()]
+  assert verbs == [["describe", "rf"], ["scp", str(tmp_path / "logs" / "ringflash-src.tar.gz")],
+                   ["ssh", "rf"], ["ssh", "rf"], ["scp", "rf:ringflash-logs/job.log"],
+                   ["scp", "rf:ringflash-logs/job.log"]]
+  collected = calls.read_text().splitlines()[-2:]
+  for w, line in enumerate(collected):
+    assert line.endswith(f"{tmp_path / 'logs'}/worker_{w}.log --zone=z --worker={w}"), line
+
+
+def test_tpu_launch_without_workers_or_gcloud_says_how_to_give_them(tmp_path):
+  empty = tmp_path / "bin"
+  empty.mkdir()
+  run = ringflash("launch", "tpu", "--name=rf", "--zone=z", f"--log_dir={tmp_path / 'logs'}",
+                  "--", "check", timeout=60, env=job_env(PATH=str(empty)))
+  assert_usage_error(run, "launch", "--workers is not given and gcloud, which could count "
+                     "the workers of the slice, is not installed; give --workers=W")
+  assert not (tmp_path / "logs").exists()

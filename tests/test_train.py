@@ -1,8 +1,8 @@
 """The training job: model against dense attention, and checkpoints that lose nothing.
 
 In-process tests use conftest's 8 simulated CPU devices; the kill tests run `ringflash train`
-in subprocesses (JAX_PLATFORMS=cpu) and SIGKILL them; the last runs it in two processes under
-`ringflash launch local`.
+in subprocesses (JAX_PLATFORMS=cpu) and SIGKILL or SIGTERM them; the last ones run it in two
+processes under `ringflash launch local`.
 """
 
 import glob
@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -122,6 +123,65 @@ def test_every_query_is_answered_by_its_pair_in_the_first_half():
     for pos in queries:
       assert tgts[pos] == task.value_base + answer[toks[pos] - task.query_base]
     assert (tgts[w == 0] == 0).all()
+
+
+# ------------------------------------------------------------------------------ flags
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seq_len=0"], "flag --seq_len=0: 0 is not a positive integer"),
+    (["--batch_size=3"], "--batch_size=3 must be divisible by --data_parallel=2"),
+    (["--ring=16"], "--data_parallel=2 x --ring=16 needs 32 devices, the job has 8"),
+    (["extra"], "takes flags only, got the argument(s) extra"),
+    (["--checkpoint_dir={file}/ckpt"], "--checkpoint_dir={file}/ckpt: {file} is a file, not a "
+                                       "directory"),
+    (["--resume"], "--resume needs --checkpoint_dir (the directory to resume from)"),
+    (["--seq_len=100"], "--num_pairs=16 x num_copies=8 = 128 must be <= seq_len / 2 = 50"),
+    (["--d_model=30"], "--d_model=30 / num_heads=2 = 15 (head_dim) must be even for RoPE"),
+    (["--backend=nope"], "--backend must be one of ('auto', "),
+])
+def test_bad_flags_are_one_line_before_any_work(tmp_path, args, message):
+  afile = tmp_path / "afile"
+  afile.write_text("")
+  run = subprocess.run([sys.executable, "-m", "ringflash.cli", "train",
+                        *(a.format(file=afile) for a in args)],
+                       env=_env(), capture_output=True, text=True, timeout=120)
+  assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+  lines = run.stderr.splitlines()
+  assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+  assert lines[0].startswith("ringflash train: ") and message.format(file=afile) in lines[0], (
+      lines[0])
+  assert run.stdout == ""                  # not a step, not even the mesh line
+
+
+# ---------------------------------------------------------------------- (0) fingerprints
+
+
+def _word_sum_oracle(array: np.ndarray) -> int:
+  """Sum of the elements' bit patterns as unsigned ints of their width, mod 2**32 (numpy)."""
+  width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[array.dtype.itemsize]
+  return int(array.view(width).astype(np.uint64).sum() % 2**32)
+
+
+def test_fingerprint_compares_bits_also_of_two_byte_floats():
+  # bfloat16 0.5 and 0.25 are the words 0x3F00 and 0x3E80; as values cast to uint32 both are
+  # 0, so a value fingerprint could not tell [0.5, 0.25] from [0.25, 0.25].
+  a = np.array([0.5, 0.25, -3.0], jnp.bfloat16)
+  b = np.array([0.25, 0.25, -3.0], jnp.bfloat16)
+  tree = {"a": a, "h": np.array([1.5, -2.0], np.float16), "i8": np.array([-1, 7], np.int8),
+          "f": np.linspace(-1, 1, 7, dtype=np.float32), "u": np.array([2**32 - 1], np.uint32),
+          "flag": np.array([True, False, True])}
+  got = checkpointing.fingerprint(jax.tree.map(jnp.asarray, tree))
+  want = {f"['{k}']": (int(v.sum()) if v.dtype == bool else _word_sum_oracle(v))
+          for k, v in tree.items()}
+  assert got == want
+  assert checkpointing.fingerprint({"a": jnp.asarray(b)})["['a']"] != got["['a']"]
+  # Sharded over 8 devices: the same words, the same sum.
+  mesh = model.make_mesh(1, 8)
+  sharded = jax.device_put(jnp.asarray(np.arange(64, dtype=np.float32).astype(jnp.bfloat16)),
+                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("sp")))
+  assert checkpointing.fingerprint({"s": sharded})["['s']"] == _word_sum_oracle(
+      np.arange(64, dtype=np.float32).astype(jnp.bfloat16))
 
 
 # ------------------------------------------------------------------------ (a) kill + resume
@@ -273,6 +333,94 @@ def test_partial_or_corrupted_checkpoint_is_skipped_and_named(tmp_path, damage):
   assert any("skipping step 4" in m for m in messages), messages
 
 
+def test_no_checkpoint_restores_is_an_error_naming_every_step(tmp_path):
+  trainer = train.Trainer(_config())
+  state = trainer.init_state()
+  ckpt = checkpointing.Checkpoints(str(tmp_path), save_every=2, keep=5, async_save=False)
+  for step in (2, 4):
+    ckpt.save(step, state, {"data": {"seed": 0, "next_step": step}})
+  ckpt.close()
+  _corrupt_arrays(str(tmp_path / "4"))
+  os.remove(tmp_path / "2" / "meta" / "metadata")
+  messages = []
+  with pytest.raises(checkpointing.NoUsableCheckpointError) as err:
+    checkpointing.Checkpoints(str(tmp_path), save_every=2, keep=5,
+                              log=messages.append).restore_latest(trainer.abstract_state())
+  (step4, why4), (step2, why2) = err.value.tried
+  assert (step4, step2) == (4, 2)
+  assert "cannot be loaded" in why4 or "corrupted" in why4, why4
+  assert "unreadable metadata" in why2, why2
+  assert f"step 4: {why4}; step 2: {why2}" in str(err.value)
+  assert "refusing to start again at step 0" in str(err.value)
+  assert len(messages) == 2          # each skipped step was also reported as it was tried
+
+
+def test_resume_of_another_model_stops_instead_of_saving_over(tmp_path):
+  """A checkpoint of step 2 of the model d_model=32; `--resume` with d_model=64 finds it
+  complete but not restorable: one line naming step 2 and the difference, status 1, nothing
+  trained and nothing saved (before: "no usable checkpoint, starting from step 0")."""
+  ckpt = tmp_path / "ckpt"
+  config = _config()
+  saver = checkpointing.Checkpoints(str(ckpt), save_every=2, keep=3, async_save=False)
+  saver.save(2, train.Trainer(config).init_state(),       # as train.run saves it
+             {"data": {"seed": 0, "next_step": 2}, "run": train._identity(config)})
+  saver.close()
+  assert sorted(os.listdir(ckpt)) == ["2"]
+  before = {p: os.path.getmtime(p) for p in glob.glob(str(ckpt / "**"), recursive=True)}
+  args = _train_cmd(tmp_path, "--steps", "4", "--save_every", "2", "--resume",
+                    "--metrics_file", str(tmp_path / "m.jsonl"))
+  args[args.index("--d_model") + 1] = "64"
+  run = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=300)
+  assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+  lines = run.stderr.splitlines()
+  assert lines[-1].startswith("ringflash train: none of the 1 complete checkpoint(s) in "
+                              f"{ckpt} restores (step 2: saved by another run configuration ("), (
+                                  run.stderr[-3000:])
+  assert "model.d_model 32 there, 64 now" in lines[-1]
+  assert lines[-1].endswith("to start afresh, give another --checkpoint_dir")
+  assert "step 1 " not in run.stdout and not (tmp_path / "m.jsonl").exists()
+  assert {p: os.path.getmtime(p) for p in glob.glob(str(ckpt / "**"), recursive=True)} == before
+
+
+# ------------------------------------------------------------- preemption notice (SIGTERM)
+
+
+def test_sigterm_saves_the_step_reached_and_exits_then_resume_continues(tmp_path):
+  """SIGTERM mid-run (saves every 100 steps, so none is due): the run saves the step it has
+  reached, exits with status 143, and --resume continues from that step."""
+  smaller = ["--num_layers", "1", "--cpu_devices", "4", "--ring", "2"]   # compiles faster
+  proc = subprocess.Popen(_train_cmd(tmp_path, "--steps", "1000", "--save_every", "100",
+                                     *smaller),
+                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+  lines = []
+  try:
+    for line in proc.stdout:
+      lines.append(line)
+      if line.startswith("step 3 "):
+        proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  text = "".join(lines)
+  assert proc.returncode == train.PREEMPTED_STATUS, text[-3000:]
+  saved = re.search(r"^train: preemption notice \(SIGTERM\): saved step (\d+) in "
+                    rf"{re.escape(str(tmp_path / 'ckpt'))}; stopping at step \1 of 1000$",
+                    text, re.M)
+  assert saved, text[-3000:]
+  step = int(saved.group(1))
+  assert step >= 3 and f"step {step} loss" in text and f"step {step + 1} loss" not in text
+  assert os.listdir(tmp_path / "ckpt") == [str(step)]
+
+  resumed = subprocess.run(_train_cmd(tmp_path, "--steps", str(step + 1), "--resume", *smaller),
+                           env=_env(), capture_output=True, text=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert f"resume: restored step {step} " in resumed.stdout
+  assert f"step {step + 1} loss" in resumed.stdout
+
+
 # ------------------------------------------ (e) two processes under `ringflash launch local`
 
 
@@ -317,3 +465,34 @@ def test_two_processes_save_and_resume_match_straight_run(tmp_path):
   got = [m["loss"] for m in _metrics(tmp_path / "resumed.jsonl")]
   assert len(want) == 4 and len(got) == 2
   assert got == want[2:], list(zip(want[2:], got))          # bit for bit
+
+
+@pytest.mark.slow
+def test_two_processes_save_on_sigterm_at_the_same_step(tmp_path):
+  """SIGTERM to the launcher: it passes SIGTERM on; JAX's preemption sync point gives both
+  processes the same step, both take part in its save, and both exit with status 143."""
+  command = [sys.executable, "-m", "ringflash.cli", "launch", "local", "--processes", "2",
+             "--devices-per-process", "4", "--log_dir", str(tmp_path / "logs"),
+             "--init_timeout_s", "120", "--stop_timeout_s", "60", "--", "train", *SMALL,
+             "--steps", "1000", "--save_every", "100", "--checkpoint_dir",
+             str(tmp_path / "ckpt")]
+  proc = subprocess.Popen(command, env=_launch_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  lines = []
+  try:
+    for line in proc.stdout:
+      lines.append(line)
+      if line.startswith("[0] step 3 "):
+        proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  text = "".join(lines)
+  saved = re.search(r"^\[0\] train: preemption notice \(SIGTERM\): saved step (\d+) ", text,
+                    re.M)
+  assert saved, text[-4000:]
+  assert os.listdir(tmp_path / "ckpt") == [saved.group(1)]
+  for i in (0, 1):
+    assert f"ringflash launch: process {i}: exited with status 143" in text, text[-4000:]
