@@ -75,28 +75,45 @@ def _positions(xp, layout: str, index, ring_size: int, local_len: int):
   return chunk * c + rows % c
 
 
-def layout_positions(layout: str, ring_size: int, length: int) -> np.ndarray:
-  """[P, length / P] int32: row i lists the global positions device i holds, in local order.
+def layout_positions(layout: str, ring_size: int, length: int,
+                     group: int = 1) -> np.ndarray:
+  """[P, length / P] int32: row i lists the global positions ring member i holds, in local
+  order.
 
-  Every row is increasing (the zigzag chunk i comes before chunk 2P-1-i).
+  group > 1 (the hybrid strategy): the layout is over P * group devices and ring member i
+  holds the rows of devices i * group ... i * group + group - 1, concatenated (an all-to-all
+  over the group's axis gathered them). zigzag, P = 2, group = 2, 16 tokens: devices 0..3
+  hold 0 1 14 15 | 2 3 12 13 | 4 5 10 11 | 6 7 8 9, so ring member 0 holds
+  0 1 14 15 2 3 12 13 and member 1 holds 4 5 10 11 6 7 8 9. Rows are increasing within each
+  device's run (the zigzag chunk i comes before chunk 2P-1-i), not across runs.
 
   Args:
     layout: "contiguous", "zigzag" or "striped".
     ring_size: P.
     length: the GLOBAL sequence length.
+    group: devices whose rows one ring member holds.
 
   Raises:
-    ValueError: unknown layout, or length not divisible by P (2P for zigzag).
+    ValueError: unknown layout, or length not divisible by P * group (twice that for
+      zigzag).
   """
-  check_layout(layout, ring_size, length)
-  index = np.arange(ring_size, dtype=np.int32)[:, None]
-  pos = _positions(np, layout, index, ring_size, length // ring_size)
-  return np.broadcast_to(pos, (ring_size, length // ring_size)).astype(np.int32)
+  devices = ring_size * group
+  check_layout(layout, devices, length)
+  index = np.arange(devices, dtype=np.int32)[:, None]
+  pos = _positions(np, layout, index, devices, length // devices)
+  pos = np.broadcast_to(pos, (devices, length // devices)).astype(np.int32)
+  return pos.reshape(ring_size, length // ring_size)
 
 
-def device_positions(layout: str, index, ring_size: int, local_len: int):
-  """[local_len] int32 global positions of device `index` (traced inside shard_map)."""
-  return _positions(jnp, layout, jnp.asarray(index, jnp.int32), ring_size, local_len)
+def device_positions(layout: str, index, ring_size: int, local_len: int, group: int = 1):
+  """[local_len] int32 global positions of ring member `index` (traced inside shard_map);
+  group as layout_positions."""
+  index = jnp.asarray(index, jnp.int32)
+  if group == 1:
+    return _positions(jnp, layout, index, ring_size, local_len)
+  run = local_len // group
+  return jnp.concatenate([_positions(jnp, layout, index * group + u, ring_size * group, run)
+                          for u in range(group)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +165,7 @@ class RingPlan:
   parts: int
   lanes: tuple[Lane, ...]
   tiles: np.ndarray
+  group: int = 1
 
   @property
   def steps(self) -> int:
@@ -172,13 +190,9 @@ class RingPlan:
 
 
 def _tile_ranges(pos: np.ndarray, block: int):
-  """First and last position of each tile of `block` rows: [..., n / block] each.
-
-  Rows are increasing within a device (see layout_positions), so a tile's smallest position
-  is its first row and its largest its last row.
-  """
+  """Smallest and largest position of each tile of `block` rows: [..., n / block] each."""
   tiles = pos.reshape(pos.shape[:-1] + (pos.shape[-1] // block, block))
-  return tiles[..., 0], tiles[..., -1]
+  return tiles.min(axis=-1), tiles.max(axis=-1)
 
 
 def _count_tiles(q_lo, q_hi, k_lo, k_hi, causal, window) -> int:
@@ -191,7 +205,7 @@ def _count_tiles(q_lo, q_hi, k_lo, k_hi, causal, window) -> int:
 @functools.lru_cache(maxsize=256)
 def plan_ring(layout: str, ring_size: int, q_len: int, kv_len: int, block_q: int,
               block_k: int, causal: bool, window: tuple[int, int] | None = None,
-              bidirectional: bool = False) -> RingPlan:
+              bidirectional: bool = False, group: int = 1) -> RingPlan:
   """Which hops each device computes and how many tiles: the ring follows this plan.
 
   Hop choice. Let N be the set of offsets o (device d uses the K/V of device d - o mod P)
@@ -223,12 +237,13 @@ def plan_ring(layout: str, ring_size: int, q_len: int, kv_len: int, block_q: int
     causal: causal masking.
     window: None or (left, right).
     bidirectional: split K/V over two opposite lanes.
+    group: devices whose rows one ring member holds (layout_positions; hybrid strategy).
 
   Returns:
     A RingPlan.
   """
   full_tiles = _tile_counts(layout, ring_size, q_len, kv_len, block_q, block_k, causal,
-                            window, parts=1)
+                            window, parts=1, group=group)
   p = ring_size
   offsets = np.arange(p)
   d = np.arange(p)[:, None]
@@ -245,21 +260,23 @@ def plan_ring(layout: str, ring_size: int, q_len: int, kv_len: int, block_q: int
     lanes = (Lane(part=0, direction=1, first=0, last=a),)
     if b:
       lanes += (Lane(part=0, direction=-1, first=1, last=b),)
-    return RingPlan(layout, p, 1, lanes, full_tiles)
+    return RingPlan(layout, p, 1, lanes, full_tiles, group)
   if bidirectional and p > 1:
-    tiles = _tile_counts(layout, p, q_len, kv_len, block_q, block_k, causal, window, parts=2)
+    tiles = _tile_counts(layout, p, q_len, kv_len, block_q, block_k, causal, window, parts=2,
+                         group=group)
     lanes = (Lane(part=0, direction=1, first=0, last=p - 1),
              Lane(part=1, direction=-1, first=0, last=p - 1))
-    return RingPlan(layout, p, 2, lanes, tiles)
+    return RingPlan(layout, p, 2, lanes, tiles, group)
   return RingPlan(layout, p, 1, (Lane(part=0, direction=1, first=0, last=p - 1),),
-                  full_tiles)
+                  full_tiles, group)
 
 
-def _tile_counts(layout, ring_size, q_len, kv_len, block_q, block_k, causal, window, parts):
+def _tile_counts(layout, ring_size, q_len, kv_len, block_q, block_k, causal, window, parts,
+                 group=1):
   piece = kv_len // parts
   assert q_len % block_q == 0 and piece % block_k == 0, (q_len, block_q, piece, block_k)
-  q_pos = layout_positions(layout, ring_size, q_len * ring_size)
-  k_pos = layout_positions(layout, ring_size, kv_len * ring_size)
+  q_pos = layout_positions(layout, ring_size, q_len * ring_size, group)
+  k_pos = layout_positions(layout, ring_size, kv_len * ring_size, group)
   q_lo, q_hi = _tile_ranges(q_pos, block_q)                           # [P, nq]
   k_lo, k_hi = _tile_ranges(k_pos.reshape(ring_size, parts, piece), block_k)  # [P, parts, nk]
   tiles = np.zeros((ring_size, ring_size, parts), dtype=np.int64)
@@ -303,20 +320,23 @@ class RingSpec:
     ring_size: P, devices along axis_name.
     layout: "contiguous", "zigzag" or "striped".
     bidirectional: split K/V in two halves travelling in opposite directions.
+    group: devices whose rows each ring member holds (1; the hybrid strategy's Ulysses
+      axis size, see layout_positions).
   """
 
   kernel: base.KernelSpec
   backend: str
-  axis_name: str
+  axis_name: str | tuple[str, ...]
   ring_size: int
   layout: str = "contiguous"
   bidirectional: bool = False
+  group: int = 1
 
   def plan(self, q_len: int, kv_len: int) -> "RingPlan":
     """The plan for local lengths q_len, kv_len (cached)."""
     return plan_ring(self.layout, self.ring_size, q_len, kv_len, self.kernel.block_q,
                      self.kernel.block_k, self.kernel.causal, self.kernel.window,
-                     self.bidirectional)
+                     self.bidirectional, self.group)
 
 
 def held_positions(plan: "RingPlan", lane_index: int, step, axis_name: str,
@@ -330,5 +350,5 @@ def held_positions(plan: "RingPlan", lane_index: int, step, axis_name: str,
   lane = plan.lanes[lane_index]
   origin = lane.source(lax.axis_index(axis_name), step, plan.ring_size)
   size = kv_len // plan.parts
-  pos = device_positions(plan.layout, origin, plan.ring_size, kv_len)
+  pos = device_positions(plan.layout, origin, plan.ring_size, kv_len, plan.group)
   return lax.slice_in_dim(pos, lane.part * size, (lane.part + 1) * size)

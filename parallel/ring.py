@@ -80,13 +80,14 @@ def _shift_perm(ring_size: int, direction: int = 1):
   return [(j, (j + direction) % ring_size) for j in range(ring_size)]
 
 
-def local_positions(axis_name: str, length: int, layout: str = "contiguous"):
+def local_positions(axis_name, length: int, layout: str = "contiguous", group: int = 1):
   """Global positions held by this device: [length] int32 (see parallel/plan.py).
 
   Contiguous: device i of the ring holds tokens i * length ... (i + 1) * length - 1.
   """
   ring_size = lax.axis_size(axis_name)
-  return ring_plan.device_positions(layout, lax.axis_index(axis_name), ring_size, length)
+  return ring_plan.device_positions(layout, lax.axis_index(axis_name), ring_size, length,
+                                    group)
 
 
 def _pieces(kv, parts: int):
@@ -178,7 +179,7 @@ def _forward(q, k, v, q_seg, kv_seg, ring: ring_plan.RingSpec):
   b, t, n, _ = q.shape
   spec, kernel, axis_name = ring.kernel, get_backend(ring.backend), ring.axis_name
   plan = ring.plan(t, k.shape[1])
-  q_pos = local_positions(axis_name, t, ring.layout)
+  q_pos = local_positions(axis_name, t, ring.layout, ring.group)
   refs = (q, k, v, q_pos, q_seg, kv_seg)
   # The non-finite rule, once, before the pieces travel (kernels/base.py).
   k, v = base.guard_kv(k, v)
@@ -211,7 +212,7 @@ def _backward(res: Residuals, dout, dlse, ring: ring_plan.RingSpec):
   spec, kernel, axis_name = ring.kernel, get_backend(ring.backend), ring.axis_name
   ring_size = ring.ring_size
   plan = ring.plan(q.shape[1], k.shape[1])
-  q_pos = local_positions(axis_name, q.shape[1], ring.layout)
+  q_pos = local_positions(axis_name, q.shape[1], ring.layout, ring.group)
   refs = (q, k, v, out, lse, dout, dlse, q_pos, q_seg, kv_seg)
   # The non-finite rule, once, before the pieces travel (kernels/base.py).
   q, k, v, out, dout, lse, dlse = base.guard_backward(q, k, v, out, dout, lse, dlse)

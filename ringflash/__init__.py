@@ -2,6 +2,7 @@
 
 import importlib.metadata as _metadata
 
+from ringflash.api import explain as explain
 from ringflash.api import ring_attention as ring_attention
 from ringflash.api import ring_attention_sharded as ring_attention_sharded
 from ringflash.kernels.tiles import GpuBlockSizes as GpuBlockSizes

@@ -19,10 +19,15 @@ from ringflash.kernels import BACKENDS
 from ringflash.kernels import base
 from ringflash.kernels import get_backend
 from ringflash.kernels import tiles
+from ringflash.parallel import strategies
+from ringflash.parallel.allgather import GatherSpec
+from ringflash.parallel.hybrid import HybridSpec
+from ringflash.parallel.local import LocalSpec
 from ringflash.parallel.plan import RingSpec
+from ringflash.parallel.ulysses import UlyssesSpec
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-STRATEGIES = ("auto", "ring")
+STRATEGIES = ("auto", "ring", "allgather", "ulysses", "hybrid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,31 +332,117 @@ def padded_local(length: int, ring_size: int, multiple: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-  """What `prepare` resolved: the spec the strategy runs and the padded local lengths."""
+  """What `prepare` resolved: the strategy's static spec and the padded local lengths."""
 
-  ring: RingSpec
+  spec: strategies.Spec
   t_local: int              # per device, after padding (ring_attention_sharded: as given)
   s_local: int
 
   @property
   def backend(self) -> str:
-    return self.ring.backend
+    return strategies.backend_of(self.spec)
+
+  @property
+  def strategy(self) -> str:
+    return strategies.name_of(self.spec)
+
+  @property
+  def kernel(self) -> base.KernelSpec:
+    return strategies.kernel_spec(self.spec)
 
 
-def prepare(call: Call, *, block_sizes, ring_size: int, local: bool, axis_name, platform: str,
-            device) -> Prepared:
-  """Resolves the backend (the fastest that runs the call, or the named one), its tiles, the
-  padding of a contiguous sequence and the ring's static spec, once.
+@dataclasses.dataclass(frozen=True)
+class SeqAxes:
+  """The mesh axes the sequence is sharded over: names (first major) and sizes."""
+
+  names: tuple[str, ...]
+  sizes: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.sizes))
+
+  @property
+  def axis_name(self):
+    """What collectives take: the name, or the tuple of names."""
+    return self.names[0] if len(self.names) == 1 else self.names
+
+
+def strategy_problem(strategy: str, call: Call, axes: SeqAxes, t_local: int, s_local: int):
+  """(q rows, key rows, kv heads, query heads per kv head) the strategy's kernel calls see on
+  one device, and the run of rows tiles must divide: ((q_len, kv_len), kv_heads, group).
+
+  ring: the local shard against each piece (halved for zigzag chunks or bidirectional
+  halves); allgather: the local shard against the whole sequence (tiles within the gathered
+  shards); ulysses: the whole sequence, N / P query heads; hybrid: the ring over the runs
+  gathered by the Ulysses axis, N / U query heads.
+  """
+  p, k, g = axes.size, call.k, call.n // call.k
+  chunk = 2 if call.layout == "zigzag" else 1
+  if strategy == "ring":
+    units = tile_units(call.layout, call.bidirectional, p, t_local, s_local)
+    return units, k, g
+  if strategy == "allgather":
+    return (t_local // chunk, s_local // chunk), k, g
+  size = p if strategy == "ulysses" else axes.sizes[-1]
+  kv_heads = max(k // size, 1)
+  group = (call.n // size) // kv_heads
+  if strategy == "ulysses":
+    return (t_local // chunk, s_local // chunk), kv_heads, group
+  ring_size = p // size
+  units = tile_units(call.layout, call.bidirectional, ring_size, t_local * size,
+                     s_local * size)
+  if call.layout == "zigzag":      # the gathered run holds 2 U chunks
+    units = (t_local // 2, s_local // 2)
+  return units, kv_heads, group
+
+
+def _strategy_spec(strategy: str, kernel_spec: base.KernelSpec, backend: str, call: Call,
+                   axes: SeqAxes):
+  local_spec = LocalSpec(kernel=kernel_spec, backend=backend)
+  if strategy == "ring":
+    return RingSpec(kernel=kernel_spec, backend=backend, axis_name=axes.axis_name,
+                    ring_size=axes.size, layout=call.layout, bidirectional=call.bidirectional)
+  if strategy == "allgather":
+    return GatherSpec(local=local_spec, axis_name=axes.axis_name, size=axes.size,
+                      layout=call.layout)
+  if strategy == "ulysses":
+    return UlyssesSpec(local=local_spec, axis_name=axes.axis_name, size=axes.size,
+                       layout=call.layout)
+  ring_names = axes.names[:-1]
+  ring = RingSpec(kernel=kernel_spec, backend=backend,
+                  axis_name=ring_names[0] if len(ring_names) == 1 else ring_names,
+                  ring_size=axes.size // axes.sizes[-1], layout=call.layout,
+                  bidirectional=call.bidirectional, group=axes.sizes[-1])
+  return HybridSpec(ring=ring, ulysses_axis=axes.names[-1], ulysses_size=axes.sizes[-1])
+
+
+def prepare(call: Call, *, block_sizes, axes: SeqAxes, local: bool, platform: str,
+            device, strategy: str | None = None) -> Prepared:
+  """Resolves the strategy, the backend (the fastest that runs the call, or the named one),
+  its tiles, the padding of a contiguous sequence and the strategy's static spec, once.
 
   With ring_attention (not local) and the contiguous layout, a length that does not divide
-  by the ring size is padded: each device's share is rounded up to the backend's
+  by the devices is padded: each device's share is rounded up to the backend's
   LENGTH_MULTIPLE (the smallest local length its kernels tile), so that "auto" keeps the
   native kernel where padding lets it run.
 
+  Args:
+    strategy: the strategy to run (a name); None: the call's (resolved by `choose` for
+      "auto").
+
   Raises:
     ValueError: naming block_sizes, when its sizes do not fit.
-    NotImplementedError: the backend cannot run this call.
+    NotImplementedError: the strategy or the backend cannot run this call.
   """
+  strategy = strategy or call.strategy
+  if strategy == "auto":
+    from ringflash.parallel import cost  # pylint: disable=g-import-not-at-top
+    strategy = cost.choose(call, axes, platform=platform, device=device).strategy
+  why = strategies.unsupported(strategy, call, axes)
+  if why is not None:
+    raise NotImplementedError(why)
+  p = axes.size
   device_kind = getattr(device, "device_kind", "") or ""
   cc = getattr(device, "compute_capability", None)
   reasons = []
@@ -361,28 +452,27 @@ def prepare(call: Call, *, block_sizes, ring_size: int, local: bool, axis_name, 
       t_local, s_local = call.t, call.s
     elif call.layout == "contiguous":
       multiple = getattr(kernel, "LENGTH_MULTIPLE", 1)
-      if call.bidirectional and ring_size > 1:
+      if call.bidirectional and p > 1:
         multiple = math.lcm(multiple, 2)
-      t_local = padded_local(call.t, ring_size, multiple)
-      s_local = padded_local(call.s, ring_size, multiple)
+      t_local = padded_local(call.t, p, multiple)
+      s_local = padded_local(call.s, p, multiple)
     else:
-      t_local, s_local = call.t // ring_size, call.s // ring_size
-    q_unit, kv_unit = tile_units(call.layout, call.bidirectional, ring_size, t_local,
-                                 s_local)
-    padded = not local and (t_local * ring_size != call.t or s_local * ring_size != call.s)
+      t_local, s_local = call.t // p, call.s // p
+    (q_unit, kv_unit), kv_heads, group = strategy_problem(strategy, call, axes, t_local,
+                                                          s_local)
+    padded = not local and (t_local * p != call.t or s_local * p != call.s)
     problem = base.Problem(
-        q_len=q_unit, kv_len=kv_unit, head_dim=call.h, kv_heads=call.k,
-        group=call.n // call.k, dtype=call.dtype, platform=platform, device_kind=device_kind,
-        compute_capability=cc, causal=call.is_causal, window=call.window,
-        segments=call.masked_by_ids or padded, head_dim_v=call.hv, softcap=call.softcap)
+        q_len=q_unit, kv_len=kv_unit, head_dim=call.h, kv_heads=kv_heads, group=group,
+        dtype=call.dtype, platform=platform, device_kind=device_kind, compute_capability=cc,
+        causal=call.is_causal, window=call.window, segments=call.masked_by_ids or padded,
+        head_dim_v=call.hv, softcap=call.softcap)
     reason = kernel.unsupported(problem)
     if reason is not None:
       reasons.append(reason)
       continue
-    spec = resolve_spec(kernel, problem, scale=call.scale, block_sizes=block_sizes)
-    ring = RingSpec(kernel=spec, backend=name, axis_name=axis_name, ring_size=ring_size,
-                    layout=call.layout, bidirectional=call.bidirectional)
-    return Prepared(ring=ring, t_local=t_local, s_local=s_local)
+    kernel_spec = resolve_spec(kernel, problem, scale=call.scale, block_sizes=block_sizes)
+    return Prepared(spec=_strategy_spec(strategy, kernel_spec, name, call, axes),
+                    t_local=t_local, s_local=s_local)
   if call.backend != "auto":
     raise NotImplementedError(reasons[0])
   raise NotImplementedError("no backend runs this call: " + "; ".join(reasons))

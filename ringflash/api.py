@@ -17,7 +17,7 @@ from ringflash import _inputs
 from ringflash import _validate
 from ringflash.parallel.plan import device_positions
 from ringflash.parallel.plan import layout_positions
-from ringflash.parallel.ring import ring_attention_local
+from ringflash.parallel import strategies
 
 
 def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: str = "sp",
@@ -40,9 +40,11 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
     key: [..., S, K, H], N % K == 0, the same leading dims.
     value: [..., S, K, Hv]; Hv may differ from H (e.g. MLA's 192 / 128).
     mesh: the device mesh; None builds a 1-D mesh over jax.devices() named `axis_name`.
-    axis_name: the mesh axis the sequence is sharded over (the ring). Other mesh axes are
-      honoured: batch and heads keep the sharding the inputs carry (visible on concrete
-      arrays and, inside jit, on meshes with explicit axes); the output keeps it.
+    axis_name: the mesh axis the sequence is sharded over, or a tuple of axes (the sequence
+      sharded over their product, first axis major; "hybrid" runs Ulysses over the last and
+      the ring over the others). Other mesh axes are honoured: batch and heads keep the
+      sharding the inputs carry (visible on concrete arrays and, inside jit, on meshes with
+      explicit axes); the output keeps it.
     is_causal: mask keys after the query position.
     scale: multiplier of q.k; default 1/sqrt(H).
     segment_ids: [..., T] int (self-attention, T == S) or a pair (q_ids [..., T],
@@ -70,7 +72,10 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
     query_seq_lengths, key_value_seq_lengths: None or [...] int32 per batch row: keys at or
       past the length are masked, query rows at or past it give 0; whole tiles and ring
       hops past the lengths are skipped.
-    strategy: "auto" or "ring".
+    strategy: "auto" (ringflash.explain shows the choice), "ring" (K/V blocks around the
+      devices, overlapped with the kernels), "allgather" (all K/V gathered, one kernel call),
+      "ulysses" (all-to-all sequence <-> heads, needs N divisible by the devices) or
+      "hybrid" (Ulysses over the last axis of a tuple axis_name, the ring over the others).
 
   A contiguous sequence whose length does not divide by the ring size is padded inside
   (keys past the length masked, output trimmed).
@@ -84,13 +89,15 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
     NotImplementedError: the backend cannot run this call (naming it and the feature), or
       forward-mode differentiation.
   """
+  axis_name = _frozen(axis_name)
   if mesh is None:
+    if not isinstance(axis_name, str):
+      raise ValueError(f"mesh=None builds a 1-D mesh; axis_name must then be one name, got "
+                       f"{axis_name!r}")
     mesh = _default_mesh(axis_name)
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-  if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
-    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh; its axes are "
-                     f"{tuple(mesh.axis_names)}")
+  _seq_axes(mesh.shape, axis_name)
   batch, heads = _outer_axes(query, mesh, axis_name)
   options = _Options(axis_name=axis_name, is_causal=is_causal, scale=scale,
                      return_residual=return_residual, backend=backend,
@@ -106,6 +113,34 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
                            options=options)
   with _forward_mode_error(query, key, value, sinks):
     return fn(*arrays)
+
+
+def explain(query, key, value, *, mesh: Mesh | None = None, axis_name="sp", **options):
+  """What ring_attention would run for these arrays and options, and why.
+
+  Takes the arguments of ring_attention (arrays or jax.ShapeDtypeStruct; only shapes and
+  dtypes are read) and returns the cost model's choice (parallel/cost.py): the strategy,
+  the backend and its tiles, and every strategy's estimated forward+backward time and
+  memory per device, or why it cannot run. `print(ringflash.explain(...))` shows a table.
+
+  Raises:
+    ValueError, NotImplementedError: as ring_attention would.
+  """
+  from ringflash.parallel import cost  # pylint: disable=g-import-not-at-top
+  axis_name = _frozen(axis_name)
+  if mesh is None:
+    mesh = _default_mesh(axis_name)
+  axes = _seq_axes(mesh.shape, axis_name)
+  device = mesh.devices.flat[0]
+  block_sizes = options.pop("block_sizes", None)
+  call = _validate.check_call(query, key, value, ring_size=axes.size, local=False, pads=True,
+                              **options)
+  choice = cost.choose(call, axes, platform=device.platform, device=device)
+  strategy = call.strategy if call.strategy != "auto" else choice.strategy
+  prepared = _validate.prepare(call, block_sizes=block_sizes, axes=axes, local=False,
+                               platform=device.platform, device=device, strategy=strategy)
+  return dataclasses.replace(choice, strategy=strategy, backend=prepared.backend,
+                             tiles=prepared.kernel.tiles)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,9 +219,10 @@ def _forward_mode_error(*arrays):
 def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
                     key_value_seq_lengths, sinks, *, mesh: Mesh, batch, heads,
                     options: _Options):
-  """ring_attention's body: validate, map onto [B, T, N, H], the ring under shard_map."""
+  """ring_attention's body: validate, map onto [B, T, N, H], the strategy under shard_map."""
   axis_name = options.axis_name
-  ring_size = mesh.shape[axis_name]
+  axes = _seq_axes(mesh.shape, axis_name)
+  ring_size = axes.size
   device = mesh.devices.flat[0]
   call = _validate.check_call(
       query, key, value, segment_ids=segment_ids, scale=options.scale,
@@ -195,10 +231,8 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
       is_causal=options.is_causal, return_residual=options.return_residual, sinks=sinks,
       logits_soft_cap=options.logits_soft_cap, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, strategy=options.strategy, pads=True)
-  prepared = _validate.prepare(call, block_sizes=options.block_sizes, ring_size=ring_size,
-                               local=False, axis_name=axis_name, platform=device.platform,
-                               device=device)
-  ring = prepared.ring
+  prepared = _validate.prepare(call, block_sizes=options.block_sizes, axes=axes, local=False,
+                               platform=device.platform, device=device)
   t_len, s_len = prepared.t_local * ring_size, prepared.s_local * ring_size
   q_pos = k_pos = None
   if call.layout != "contiguous":       # rows in layout order: their natural positions
@@ -211,14 +245,14 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
 
   x_spec = P(batch, axis_name, heads, None)
   seg_spec = P(batch, axis_name)
-  local = functools.partial(ring_attention_local, ring=ring)
+  local = functools.partial(strategies.attention_local, spec=prepared.spec)
   out_specs = (x_spec, P(batch, heads, axis_name))
   # Pallas interpret mode evaluates kernels untyped by mesh axes: it needs check_vma off.
   # It has to be the shard_map's flag: interpret mode evaluates the kernel body when the
   # program is lowered, outside any context the kernel could set while tracing (tried:
   # "dynamic_slice requires varying manual axes to match").
   shard_map = functools.partial(jax.shard_map, mesh=mesh, out_specs=out_specs,
-                                check_vma=not ring.kernel.interpret)
+                                check_vma=not prepared.kernel.interpret)
   if q_seg is None:
     fn = shard_map(lambda q, k, v: local(q, k, v, None, None), in_specs=(x_spec,) * 3)
     out, lse = fn(q, k, v)
@@ -259,11 +293,15 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
     ValueError: on any invalid argument, or when axis_name is not a bound mesh axis.
     NotImplementedError: as ring_attention.
   """
+  axis_name = _frozen(axis_name)
+  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   try:
-    ring_size = lax.axis_size(axis_name)
+    sizes = tuple(lax.axis_size(a) for a in names)
   except NameError as err:
     raise ValueError(f"axis_name {axis_name!r} is not a bound mesh axis here; call "
                      f"ring_attention_sharded inside shard_map over it") from err
+  axes = _validate.SeqAxes(names, sizes)
+  ring_size = axes.size
   platform, device = _current_platform()
   call = _validate.check_call(
       query, key, value, segment_ids=segment_ids, scale=scale, backend=backend,
@@ -271,11 +309,11 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
       bidirectional=bidirectional, is_causal=is_causal, return_residual=return_residual,
       sinks=sinks, logits_soft_cap=logits_soft_cap, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, strategy=strategy)
-  ring = _validate.prepare(call, block_sizes=block_sizes, ring_size=ring_size, local=True,
-                           axis_name=axis_name, platform=platform, device=device).ring
-  if ring.kernel.interpret and _varying(query):
+  prepared = _validate.prepare(call, block_sizes=block_sizes, axes=axes, local=True,
+                               platform=platform, device=device)
+  if prepared.kernel.interpret and _varying(query):
     raise ValueError(
-        f"backend {ring.backend!r} runs its Pallas kernels in interpret mode on CPU devices, "
+        f"backend {prepared.backend!r} runs its Pallas kernels in interpret mode on CPU devices, "
         f"which cannot check mesh-axis types: call ring_attention_sharded inside "
         f"jax.shard_map(..., check_vma=False) there (on TPUs and GPUs the default works)")
   index = lax.axis_index(axis_name)
@@ -285,8 +323,18 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
       call, query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths,
       t_len=call.t, s_len=call.s, q_pos=q_pos, k_pos=k_pos)
   with _forward_mode_error(query, key, value, sinks):
-    out, lse = ring_attention_local(q, k, v, q_seg, kv_seg, ring=ring)
+    out, lse = strategies.attention_local(q, k, v, q_seg, kv_seg, spec=prepared.spec)
   return _inputs.finish(call, out, lse, sinks)
+
+
+def _seq_axes(shape, axis_name) -> _validate.SeqAxes:
+  """The mesh axes the sequence is sharded over, checked against the mesh's axes."""
+  names = (axis_name,) if isinstance(axis_name, str) else axis_name
+  if (not isinstance(names, tuple) or not names or len(set(names)) != len(names)
+      or not all(isinstance(a, str) and a in shape for a in names)):
+    raise ValueError(f"axis_name must be a mesh axis or a tuple of distinct mesh axes; got "
+                     f"{axis_name!r}, the mesh's axes are {tuple(shape)}")
+  return _validate.SeqAxes(tuple(names), tuple(int(shape[a]) for a in names))
 
 
 def _varying(x) -> bool:
@@ -335,10 +383,12 @@ def _outer_axes(query, mesh: Mesh, axis_name: str):
     return None, None
   entries = tuple(spec) + (None,) * (rank - len(tuple(spec)))
 
+  seq = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
   def names(entry):
     if entry is None:
       return ()
-    return tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a != axis_name)
+    return tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in seq)
 
   def entry_of(axes):
     return None if not axes else axes[0] if len(axes) == 1 else axes

@@ -52,8 +52,9 @@ def ring_spec(query, key, value, *, ring_size: int, device, axis_name: str = "sp
       query, key, value, segment_ids=segment_ids, scale=scale, backend=backend,
       ring_size=ring_size, local=True, layout=layout, local_window_size=local_window_size,
       bidirectional=bidirectional, is_causal=is_causal)
-  ring = _validate.prepare(call, block_sizes=block_sizes, ring_size=ring_size, local=True,
-                           axis_name=axis_name, platform=device.platform, device=device).ring
+  axes = _validate.SeqAxes((axis_name,), (ring_size,))
+  ring = _validate.prepare(call, block_sizes=block_sizes, axes=axes, local=True,
+                           platform=device.platform, device=device, strategy="ring").spec
   return ring
 
 

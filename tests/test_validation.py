@@ -43,7 +43,8 @@ BAD = [
     ("lengths-dtype", dict(), dict(key_value_seq_lengths=jnp.zeros((B,), jnp.float32)),
      "key_value_seq_lengths must have an integer dtype"),
     ("strategy", dict(), dict(strategy="tree"), "strategy"),
-    ("axis", dict(), dict(axis_name="seq"), "axis_name 'seq'"),
+    ("axis", dict(), dict(axis_name="seq"), "axis_name must be a mesh axis"),
+    ("axis-repeated", dict(), dict(axis_name=("sp", "sp")), "distinct mesh axes"),
     ("seg-shape", dict(), dict(segment_ids=jnp.zeros((B, T + 8), jnp.int32)), "segment_ids"),
     ("seg-dtype", dict(), dict(segment_ids=jnp.zeros((B, T), jnp.float32)), "integer dtype"),
     ("seg-pair-len", dict(), dict(segment_ids=(jnp.zeros((B, T), jnp.int32),)), "pair"),
@@ -145,7 +146,7 @@ def _problem(platform, cc=None, head_dim=128, dtype=jnp.bfloat16):
     ("gpu", "9.0", 128, jnp.bfloat16, "pallas_gpu"),
     ("cuda", "10.0", 128, jnp.bfloat16, "pallas_gpu"),
     ("gpu", "8.0", 128, jnp.bfloat16, "xla"),          # before Hopper: the portable kernel
-    ("gpu", "9.0", 96, jnp.bfloat16, "xla"),           # a call pallas_gpu does not run
+    ("gpu", "9.0", 96, jnp.float32, "xla"),            # a call pallas_gpu does not run
     ("gpu", "9.0", 128, jnp.float32, "xla"),
     ("cpu", None, 128, jnp.bfloat16, "xla")])
 def test_auto_picks_the_fastest_backend_that_runs_the_call(platform, cc, head_dim, dtype,
@@ -158,8 +159,8 @@ def test_auto_picks_the_fastest_backend_that_runs_the_call(platform, cc, head_di
 
 def test_a_named_backend_never_falls_back():
   from ringflash import _validate  # pylint: disable=g-import-not-at-top
-  with pytest.raises(NotImplementedError, match="pallas_gpu.*head_dim"):
-    _validate.resolve_backend("pallas_gpu", _problem("gpu", "9.0", head_dim=96))
+  with pytest.raises(NotImplementedError, match="pallas_gpu.*float16"):
+    _validate.resolve_backend("pallas_gpu", _problem("gpu", "9.0", dtype=jnp.float32))
   with pytest.raises(NotImplementedError, match="pallas_tpu.*TPU"):
     _validate.resolve_backend("pallas_tpu", _problem("gpu", "9.0"))
 

@@ -195,6 +195,10 @@ class ContractTests:
   def mesh(self, ring_size):
     return helpers.mesh_of(ring_size)
 
+  def options(self) -> dict:
+    """Extra keyword options of every ring_attention call (a strategy, its axes)."""
+    return {}
+
   def adapt(self, case: RingCase) -> RingCase:
     """The case as this host runs it (a backend with fewer devices than the case's ring may
     run it on a smaller ring; the oracle follows)."""
@@ -354,7 +358,8 @@ class ContractTests:
 
       def attn(q, k, v):
         return ringflash.ring_attention(
-            q, k, v, mesh=mesh, is_causal=case.causal, segment_ids=ids, return_residual=True,
+            q, k, v, mesh=mesh, **self.options(), is_causal=case.causal, segment_ids=ids,
+            return_residual=True,
             backend=self.BACKEND, block_sizes=self.block_sizes(*local), layout=case.layout,
             local_window_size=self._window(case), bidirectional=case.bidirectional, **extra)
 
@@ -487,7 +492,8 @@ class ContractTests:
 
     def ring(q, k, v, seg, sinks):
       return ringflash.ring_attention(
-          q, k, v, mesh=mesh, is_causal=case.causal, segment_ids=seg, return_residual=True,
+          q, k, v, mesh=mesh, **self.options(), is_causal=case.causal, segment_ids=seg,
+          return_residual=True,
           backend=self.BACKEND, block_sizes=self.block_sizes(*local), layout=case.layout,
           local_window_size=window, bidirectional=case.bidirectional, sinks=sinks,
           logits_soft_cap=case.softcap, query_seq_lengths=q_len,
@@ -606,7 +612,8 @@ class ContractTests:
     mesh = self.mesh(case.ring_size)
 
     def ring(a, b_, c):
-      return ringflash.ring_attention(a, b_, c, mesh=mesh, is_causal=True, segment_ids=seg,
+      return ringflash.ring_attention(a, b_, c, mesh=mesh, **self.options(), is_causal=True,
+                                      segment_ids=seg,
                                       backend=self.BACKEND,
                                       block_sizes=self.block_sizes(*(
                                           [t // case.ring_size] * 2)))
@@ -648,7 +655,7 @@ class ContractTests:
     p = case.ring_size
 
     def ring(a, b_, c):
-      return ringflash.ring_attention(a, b_, c, mesh=mesh, is_causal=True,
+      return ringflash.ring_attention(a, b_, c, mesh=mesh, **self.options(), is_causal=True,
                                       return_residual=True, backend=self.BACKEND,
                                       block_sizes=self.block_sizes(t // p, t // p))
 
@@ -710,7 +717,8 @@ class ContractTests:
       return f
 
     got = jax.jit(jax.grad(loss(lambda q, k, v: ringflash.ring_attention(
-        q, k, v, mesh=mesh, is_causal=True, return_residual=True, backend=self.BACKEND,
+        q, k, v, mesh=mesh, **self.options(), is_causal=True, return_residual=True,
+        backend=self.BACKEND,
         block_sizes=self.block_sizes(q.shape[1] // p, k.shape[1] // p))),
         argnums=(0, 1, 2)))(q, k, v)
     want = jax.grad(loss(lambda q, k, v: oracle.attention(q, k, v, causal=True)),

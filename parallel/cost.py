@@ -1,0 +1,217 @@
+"""The cost model that `strategy="auto"` chooses by: time and memory of each strategy.
+
+One module, every constant here with where it comes from. A strategy's time on P devices is
+estimated for a training step (forward + backward, the main use; the choice for a forward
+alone is the same in every measured row) from:
+
+  work       FLOPs of the attention, the FlashAttention convention: 2 B N T S (H + Hv) f
+             forward, 3.5x that for forward + backward; f the fraction of (query, key)
+             pairs that are valid (1/2 causal, window / S for a window, 1 otherwise);
+  kernels    rate R of the per-device kernel on long calls, times the efficiency
+             e(L) = L / (L + L0) of a call whose key range is L tokens: short calls (a ring
+             hop at 8k tokens per device) run further from peak than one call over the whole
+             sequence (Ulysses); plus T0 per kernel call (launch, pipeline fill);
+  transfers  bytes over a per-device bandwidth: the ring's per-step K/V (and dK/dV, float32,
+             in the backward) overlap the step's kernel, so a step costs the larger of the
+             two; all-to-alls (Ulysses) and all-gathers (all-gather) are not overlapped;
+  memory     the arrays each strategy holds per device beyond the common ones (q, k, v, out,
+             their gradients): the ring's two K/V blocks in flight and float32 accumulators,
+             the all-gather's whole-sequence K/V (and float32 dK/dV), Ulysses' head-sharded
+             copies. A strategy that does not fit the device's memory is not chosen.
+
+Calibration (PLATFORMS below):
+  gpu (H200): R = 540 TFLOP/s forward+backward on long calls (ANCHORS: our kernel 0.92-0.97
+    of cuDNN's 545-567); L0 = 2800 tokens from the device-steps-only ring at P = 4, causal,
+    zigzag: 0.87 of one call at 16k tokens per device, 0.71 at 8k (ANCHORS, "Where the
+    ring's forward loses"); T0 = 15 us per call; ring transfers at 150 GB/s per direction
+    (a ppermute between two H200s, GPU_NOTES runs 20-29: a 64 MiB K/V block in ~0.4 ms);
+    all-to-all and all-gather at 120 GB/s per device (the Ulysses + cuDNN baseline on 4
+    H200s at 16k tokens: its 0.85 forward efficiency leaves ~1.2 ms for two all-to-alls of
+    ~128 MiB each).
+  tpu: R = 0.6 x the chip's peak (ANCHORS' TPU table), L0 = 2048, T0 = 5 us; ICI at the
+    table's one-way link bandwidth for the ring, half that for all-to-all and all-gather.
+  cpu (simulated devices): no meaningful figures. The estimates are printed (R = 0.05
+    TFLOP/s, 10 GB/s) but "auto" takes the ring on CPU devices whenever it runs the call: a
+    CPU mesh is a simulation of the accelerator mesh, and the ring is what runs on every
+    mesh shape; the other strategies are chosen there by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+  """Rates of one kind of device (see the module docstring for their sources)."""
+
+  rate: float              # FLOP/s of the kernel, forward + backward, long calls
+  l0: float                # tokens: e(L) = L / (L + l0)
+  t0: float                # seconds per kernel call
+  ring_bw: float           # bytes/s per direction between ring neighbours
+  collective_bw: float     # bytes/s per device for all-to-all and all-gather
+  memory: float            # bytes per device
+
+
+PLATFORMS = {
+    "gpu": Platform(rate=540e12, l0=2800, t0=15e-6, ring_bw=150e9, collective_bw=120e9,
+                    memory=139 * GIB),
+    "tpu v5p": Platform(rate=0.6 * 459e12, l0=2048, t0=5e-6, ring_bw=90e9,
+                        collective_bw=45e9, memory=95 * GIB),
+    "tpu v5e": Platform(rate=0.6 * 197e12, l0=2048, t0=5e-6, ring_bw=45e9,
+                        collective_bw=22e9, memory=16e9),
+    "tpu v6e": Platform(rate=0.6 * 918e12, l0=2048, t0=5e-6, ring_bw=90e9,
+                        collective_bw=45e9, memory=32e9),
+    "tpu v4": Platform(rate=0.6 * 275e12, l0=2048, t0=5e-6, ring_bw=45e9,
+                       collective_bw=22e9, memory=32 * GIB),
+    "cpu": Platform(rate=0.05e12, l0=256, t0=50e-6, ring_bw=10e9, collective_bw=10e9,
+                    memory=float("inf")),
+}
+
+
+def platform_of(platform: str, device_kind: str = "") -> Platform:
+  """The Platform of a device: GPUs share the H200's figures; TPUs by generation."""
+  if platform in ("gpu", "cuda"):
+    return PLATFORMS["gpu"]
+  if platform == "tpu":
+    kind = device_kind.lower()
+    for name in ("v5p", "v5e", "v6e", "v4"):
+      if name in kind or (name == "v5e" and "lite" in kind and "v5" in kind) or (
+          name == "v6e" and "v6" in kind):
+        return PLATFORMS[f"tpu {name}"]
+    return PLATFORMS["tpu v5p"]
+  return PLATFORMS["cpu"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """One strategy's estimate: seconds of a forward + backward step, bytes per device beyond
+  the common arrays, and why not, if it cannot run."""
+
+  strategy: str
+  seconds: float | None
+  extra_bytes: float | None
+  fits: bool = True
+  reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The chosen strategy and every alternative's estimate (ringflash.explain prints it)."""
+
+  strategy: str
+  estimates: tuple[Estimate, ...]
+  common_bytes: float
+  backend: str | None = None
+  tiles: object = None
+
+  def __str__(self):
+    lines = [f"strategy: {self.strategy}" + (f", backend {self.backend}, tiles {self.tiles}"
+                                              if self.backend else "")
+             + f" (estimates: forward+backward; memory per device beyond the common "
+             f"{self.common_bytes / GIB:.2f} GiB)"]
+    for e in self.estimates:
+      if e.reason is not None:
+        lines.append(f"  {e.strategy:<10} not possible: {e.reason}")
+      else:
+        mark = "*" if e.strategy == self.strategy else " "
+        lines.append(f"{mark} {e.strategy:<10} {1e3 * e.seconds:10.3f} ms  "
+                     f"+{e.extra_bytes / GIB:8.2f} GiB{'' if e.fits else '  (does not fit)'}")
+    return "\n".join(lines)
+
+
+def _valid_fraction(call) -> float:
+  f = 0.5 if call.is_causal else 1.0
+  if call.window is not None:
+    f = min(f, (call.window[0] + call.window[1] + 1) / max(call.s, 1))
+  return f
+
+
+def estimate(strategy: str, call, axes, plat: Platform) -> Estimate:
+  """Seconds of a forward + backward step and extra bytes per device of `strategy`."""
+  p = axes.size
+  e = np.dtype(call.dtype).itemsize
+  b, t, s, n, k, h, hv = call.batch, call.t, call.s, call.n, call.k, call.h, call.hv
+  lt, ls = t / p, s / p
+  flops = 3.5 * 2 * b * n * t * s * (h + hv) * _valid_fraction(call) / p   # per device
+
+  def kernel_time(key_range: float, calls: int, share: float = 1.0) -> float:
+    eff = key_range / (key_range + plat.l0)
+    return share * flops / (plat.rate * eff) + calls * plat.t0
+
+  kv_block = b * ls * k * (h + hv) * e                       # one device's K and V
+  if strategy == "ring":
+    # P steps, each a kernel on one device's keys; forward moves K/V, backward K/V and the
+    # float32 dK/dV accumulators; each step costs the larger of its kernel and transfer.
+    fwd_share, bwd_share = 1 / 3.5, 2.5 / 3.5
+    step_fwd = max(kernel_time(ls, 1, fwd_share / p), kv_block / plat.ring_bw)
+    step_bwd = max(kernel_time(ls, 1, bwd_share / p),
+                   (kv_block + kv_block * 4 / e) / plat.ring_bw)
+    seconds = p * (step_fwd + step_bwd) if p > 1 else kernel_time(ls, 2)
+    extra = 2 * kv_block + b * lt * n * (hv + h) * 4 + 2 * kv_block * 4 / e
+  elif strategy == "allgather":
+    gather = kv_block * (p - 1) / plat.collective_bw
+    seconds = kernel_time(s, 2) + 2 * gather + gather * 4 / e   # gather twice, scatter f32
+    extra = p * kv_block + p * kv_block * 4 / e
+  elif strategy in ("ulysses", "hybrid"):
+    u = p if strategy == "ulysses" else axes.sizes[-1]
+    rep = max(u // k, 1)
+    moved = b * lt * (n * h + n * hv + rep * k * (h + hv)) * e * (u - 1) / u
+    a2a = 2 * moved / plat.collective_bw                     # forward: in and out
+    a2a_bwd = 2 * moved / plat.collective_bw                 # backward: the transposes
+    if strategy == "ulysses":
+      seconds = kernel_time(s, 2) + a2a + a2a_bwd
+    else:
+      r = p // u
+      block = b * lt * u * max(k // u, 1) * (h + hv) * e     # a gathered run's K/V
+      fwd_share, bwd_share = 1 / 3.5, 2.5 / 3.5
+      step_fwd = max(kernel_time(ls * u, 1, fwd_share / r), block / plat.ring_bw)
+      step_bwd = max(kernel_time(ls * u, 1, bwd_share / r),
+                     (block + block * 4 / e) / plat.ring_bw)
+      seconds = r * (step_fwd + step_bwd) + a2a + a2a_bwd
+    extra = 2 * b * lt * (n * h + n * hv + rep * k * (h + hv)) * e
+  else:
+    raise ValueError(f"unknown strategy {strategy!r}")
+  return Estimate(strategy, seconds, extra)
+
+
+def common_bytes(call, axes) -> float:
+  """Per device: q, k, v, out, dout and the gradients in the input dtype, lse in float32."""
+  e = np.dtype(call.dtype).itemsize
+  lt, ls = call.t / axes.size, call.s / axes.size
+  b, n, k, h, hv = call.batch, call.n, call.k, call.h, call.hv
+  return b * (2 * lt * n * h + 2 * ls * k * (h + hv) + 2 * lt * n * hv) * e + 4 * b * n * lt
+
+
+def choose(call, axes, *, platform: str, device=None) -> Choice:
+  """The fastest strategy that runs the call and fits in memory, with every estimate.
+
+  Candidates: ring, allgather, ulysses, and hybrid when the sequence is sharded over two or
+  more mesh axes. Ties (within 1%) go to the ring, which needs nothing of the head count.
+  """
+  from ringflash.parallel import strategies  # pylint: disable=g-import-not-at-top
+  plat = platform_of(platform, getattr(device, "device_kind", "") or "")
+  names = ["ring", "allgather", "ulysses"] + (["hybrid"] if len(axes.names) > 1 else [])
+  base_bytes = common_bytes(call, axes)
+  out = []
+  for name in names:
+    why = strategies.unsupported(name, call, axes)
+    if why is not None:
+      out.append(Estimate(name, None, None, fits=False, reason=why))
+      continue
+    est = estimate(name, call, axes, plat)
+    fits = base_bytes + est.extra_bytes <= plat.memory
+    out.append(dataclasses.replace(est, fits=fits))
+  ok = [e for e in out if e.reason is None and e.fits] or [e for e in out if e.reason is None]
+  if platform == "cpu" and any(e.strategy == "ring" for e in ok):
+    return Choice("ring", tuple(out), base_bytes)
+  best = min(e.seconds for e in ok)
+  pick = next(e for e in ok if e.seconds <= best * 1.01 and e.strategy == "ring") if any(
+      e.strategy == "ring" and e.seconds <= best * 1.01 for e in ok) else min(
+          ok, key=lambda e: e.seconds)
+  return Choice(pick.strategy, tuple(out), base_bytes)
+

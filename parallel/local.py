@@ -1,0 +1,88 @@
+"""Attention of one device's queries against keys it holds whole: one kernel call, exact.
+
+The all-gather and Ulysses strategies bring the keys a device needs to it first and then
+attend in one go; this module is that last step, with its gradient: a custom_vjp whose
+forward is the kernel's forward and whose backward is the kernel's backward from the final
+(out, lse), as in the ring but without hops. Inputs are guarded by the non-finite rule
+(kernels/base.py) as in the ring.
+
+Example, Ulysses on 4 devices, 1024 tokens, 16 query heads: after its all-to-all, device 2
+holds query heads 8..11 of all 1024 positions and the kv heads they use; it calls
+attend(q [B, 1024, 4, H], k, v, q_pos = k_pos = 0..1023, ...) once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+
+from ringflash.kernels import base
+from ringflash.kernels import get_backend
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSpec:
+  """The kernel spec and the backend's name: the static part of one local attention."""
+
+  kernel: base.KernelSpec
+  backend: str
+
+
+class _Residuals(NamedTuple):
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  out: jax.Array
+  lse: jax.Array
+  q_pos: jax.Array
+  k_pos: jax.Array
+  q_seg: jax.Array | None
+  k_seg: jax.Array | None
+
+
+def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: LocalSpec):
+  """(out in q's dtype, lse float32): the kernel's forward on guarded K/V."""
+  k, v = base.guard_kv(k, v)
+  o, lse = get_backend(spec.backend).forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec.kernel)
+  return o.astype(q.dtype), lse
+
+
+def backward(q, k, v, out, lse, dout, dlse, q_pos, k_pos, q_seg, k_seg, spec: LocalSpec):
+  """(dq, dk, dv) float32: the kernel's backward from the final out and lse, guarded."""
+  q, k, v, out, dout, lse, dlse = base.guard_backward(q, k, v, out, dout.astype(q.dtype), lse,
+                                                      dlse)
+  return get_backend(spec.backend).backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg,
+                                            k_seg, spec.kernel, dlse=dlse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnames=("spec",))
+def attend(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: LocalSpec):
+  """Exact attention of q against k, v on this device.
+
+  Args:
+    q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv]; q_pos [T], k_pos [S] int32 global
+    positions; q_seg [B, T], k_seg [B, S] int or None; spec: LocalSpec.
+
+  Returns:
+    (out [B, T, N, Hv] in q's dtype, lse [B, N, T] float32).
+  """
+  return forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec)
+
+
+def _fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, spec):
+  out, lse = forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec)
+  return (out, lse), _Residuals(q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
+
+
+def _bwd(spec, res: _Residuals, cotangents):
+  dout, dlse = cotangents
+  dq, dk, dv = backward(res.q, res.k, res.v, res.out, res.lse, dout, dlse, res.q_pos,
+                        res.k_pos, res.q_seg, res.k_seg, spec)
+  return (dq.astype(res.q.dtype), dk.astype(res.k.dtype), dv.astype(res.v.dtype), None, None,
+          None, None)
+
+
+attend.defvjp(_fwd, _bwd)
