@@ -141,3 +141,19 @@ def test_kernels_mode_keeps_other_implementations_when_one_fails(tmp_path):
   assert rows[0]["ringflash_fwd"] > 0 and rows[0]["xla_fwdbwd"] > 0
   assert "fwd_ratio" not in rows[0]       # no cuDNN on CPU: no ratio to it
   assert "cudnn_error" in out
+
+
+def test_strategies_mode_rows_with_every_strategy_and_baseline(tmp_path):
+  """On 4 CPU devices (jax.nn's XLA attention stands in for cuDNN there): every strategy, the
+  plain Ulysses and all-gather baselines, efficiencies against one device, auto's choice."""
+  _bench(tmp_path, "--mode=strategies", "--seq_lens=32", "--causal=false,true",
+         "--kv_heads=2", "--heads=4", devices=4)
+  rows = json.load(open(tmp_path / "bench_strategies.json"))["rows"]
+  assert [(r["P"], r["causal"], r["layout"]) for r in rows] == [(4, False, "contiguous"),
+                                                                (4, True, "zigzag")]
+  for row in rows:
+    names = {"ring", "allgather", "ulysses", "hybrid", "auto", "ulysses_cudnn"} | (
+        set() if row["causal"] else {"allgather_cudnn"})
+    for name in names:
+      assert row[f"{name}_fwd_eff"] > 0 and row[f"{name}_fwdbwd_eff"] > 0, name
+    assert row["auto_choice"] == "ring"          # CPU meshes: the ring (parallel/cost.py)

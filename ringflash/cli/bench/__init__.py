@@ -22,6 +22,9 @@ Modes (--mode), one module each in this package, sharing the timing harness (har
            per-device lengths in --seq_lens (ascending), causal, K = last --kv_heads; each
            is compiled and its per-device memory (memory_analysis) compared with the
            device's; those that fit and have T <= --run_max_len are also run once, timed.
+  strategies  every strategy (ring, allgather, ulysses, hybrid, auto) against one device's
+           cuDNN on the whole sequence / P, beside plain Ulysses+cuDNN and all-gather+cuDNN,
+           turns interleaved; efficiency table, JSON and PNG (strategies.py).
 
 FLOP convention (FlashAttention): forward 4 * B * N * T * S * H, halved when causal;
 forward+backward = 3.5x forward. Time: median of --iters calls after --warmup calls, wall
@@ -49,7 +52,7 @@ from ringflash.cli.bench import harness
 
 FLAGS = flags.FLAGS
 
-MODES = ("kernels", "virtual", "layouts", "scaling", "longest")
+MODES = ("kernels", "virtual", "layouts", "scaling", "longest", "strategies")
 
 
 def define_flags() -> None:
@@ -81,6 +84,9 @@ def define_flags() -> None:
                        lower_bound=0)
   flags.DEFINE_integer("run_max_len", 1 << 20, "longest: run (not only compile) total "
                        "lengths T up to this")
+  flags.DEFINE_integer("ulysses_size", 2, "strategies: devices of the hybrid strategy's "
+                       "Ulysses axis (the devices as (P / U, U)); 0 leaves hybrid out",
+                       lower_bound=0)
 
 
 def _ints(f, name: str) -> list[int]:
@@ -176,3 +182,5 @@ def main(argv):
   harness.write_json(FLAGS.out, FLAGS.mode, rows, meta)
   if FLAGS.mode == "kernels":
     harness.plot_kernels(rows, FLAGS.impls, os.path.join(FLAGS.out, "bench_kernels.png"))
+  if FLAGS.mode == "strategies":
+    mode.plot(rows, os.path.join(FLAGS.out, "bench_strategies.png"))
