@@ -157,3 +157,17 @@ def test_strategies_mode_rows_with_every_strategy_and_baseline(tmp_path):
     for name in names:
       assert row[f"{name}_fwd_eff"] > 0 and row[f"{name}_fwdbwd_eff"] > 0, name
     assert row["auto_choice"] == "ring"          # CPU meshes: the ring (parallel/cost.py)
+
+
+def test_features_mode_rows_per_variant(tmp_path):
+  """One CPU device: each variant's row with ringflash's figures and its ratios to the
+  row's other implementations (the plain kernel, cuDNN padded for MLA, or XLA's attention
+  standing in for cuDNN on CPU)."""
+  _bench(tmp_path, "--mode=features", "--seq_lens=32", "--causal=true", "--heads=4",
+         "--kv_heads=2", "--variants=sinks,softcap,mla,h80", devices=1)
+  rows = json.load(open(tmp_path / "bench_features.json"))["rows"]
+  assert [(r["variant"], r["H"], r["Hv"]) for r in rows] == [
+      ("sinks", 128, 128), ("softcap", 128, 128), ("mla", 192, 128), ("h80", 80, 80)]
+  assert rows[0]["plain_fwdbwd_ratio"] > 0 and rows[1]["plain_fwd_ratio"] > 0
+  assert rows[2]["cudnn_padded_fwd_ratio"] > 0 and rows[2]["xla_fwdbwd_ratio"] > 0
+  assert rows[3]["cudnn_fwdbwd_ratio"] > 0

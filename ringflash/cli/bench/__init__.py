@@ -22,6 +22,8 @@ Modes (--mode), one module each in this package, sharing the timing harness (har
            per-device lengths in --seq_lens (ascending), causal, K = last --kv_heads; each
            is compiled and its per-device memory (memory_analysis) compared with the
            device's; those that fit and have T <= --run_max_len are also run once, timed.
+  features what sinks, soft-cap, MLA head dims (192 / 128) and head dims 80 and 96 cost,
+           beside the plain kernel and cuDNN (features.py).
   strategies  every strategy (ring, allgather, ulysses, hybrid, auto) against one device's
            cuDNN on the whole sequence / P, beside plain Ulysses+cuDNN and all-gather+cuDNN,
            turns interleaved; efficiency table, JSON and PNG (strategies.py).
@@ -52,7 +54,7 @@ from ringflash.cli.bench import harness
 
 FLAGS = flags.FLAGS
 
-MODES = ("kernels", "virtual", "layouts", "scaling", "longest", "strategies")
+MODES = ("kernels", "features", "virtual", "layouts", "scaling", "longest", "strategies")
 
 
 def define_flags() -> None:
@@ -84,6 +86,8 @@ def define_flags() -> None:
                        lower_bound=0)
   flags.DEFINE_integer("run_max_len", 1 << 20, "longest: run (not only compile) total "
                        "lengths T up to this")
+  flags.DEFINE_list("variants", ["plain", "sinks", "softcap", "mla", "h80", "h96"],
+                    "features: the variants to run (plain, sinks, softcap, mla, h80, h96)")
   flags.DEFINE_integer("ulysses_size", 2, "strategies: devices of the hybrid strategy's "
                        "Ulysses axis (the devices as (P / U, U)); 0 leaves hybrid out",
                        lower_bound=0)
@@ -143,6 +147,10 @@ def check_flags(f) -> None:
   if not f.impls or any(i not in harness.IMPLEMENTATIONS for i in f.impls):
     raise UsageError(f"--impls takes entries of {','.join(harness.IMPLEMENTATIONS)}, got "
                      f"{','.join(f.impls)!r}")
+  from ringflash.cli.bench import features  # pylint: disable=g-import-not-at-top
+  if any(x not in features.VARIANTS for x in f.variants):
+    raise UsageError(f"--variants takes entries of {','.join(features.VARIANTS)}, got "
+                     f"{','.join(f.variants)!r}")
   if not f.out:
     raise UsageError("--out must name a folder")
   _folder(f, "out")
