@@ -49,17 +49,6 @@ def _ours(mesh, causal, backend="auto", **options):
   return f
 
 
-def _fns(f):
-  fwd = jax.jit(f)
-
-  @jax.jit
-  def fwd_bwd(q, k, v, do):
-    out, vjp = jax.vjp(f, q, k, v)
-    return (out,) + vjp(do)
-
-  return fwd, fwd_bwd
-
-
 def _inputs(b, t, n, kh, h, hv):
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
@@ -94,7 +83,7 @@ def run(f) -> list[dict]:
             impls["xla"] = _ours(mesh, causal, backend="xla")
         else:
           impls["cudnn"] = _cudnn(causal)
-        fns = {name: _fns(fn) for name, fn in impls.items()}
+        fns = {name: harness.jitted_pair(fn) for name, fn in impls.items()}
         flops = 2.0 * b * n * t * t * (h + hv) / (2 if causal else 1)
         row = {"variant": variant, "T": t, "N": n, "K": kh, "H": h, "Hv": hv,
                "causal": causal}

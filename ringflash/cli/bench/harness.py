@@ -153,13 +153,18 @@ def attention_fns(impl: str, causal: bool, mesh, layout: str = "contiguous"):
       return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal, backend=backend,
                                       layout=layout)
 
+  return jitted_pair(f)
+
+
+def jitted_pair(f):
+  """(forward, forward+backward) jitted from f(q, k, v) -> out: forward(q, k, v) -> out,
+  fwd_bwd(q, k, v, do) -> (out, dq, dk, dv)."""
   fwd = jax.jit(f)
 
   @jax.jit
   def fwd_bwd(q, k, v, do):
     out, vjp = jax.vjp(f, q, k, v)
-    dq, dk, dv = vjp(do)
-    return out, dq, dk, dv
+    return (out,) + vjp(do)
 
   return fwd, fwd_bwd
 

@@ -65,18 +65,6 @@ def _baseline(name: str, mesh: Mesh, causal: bool):
   return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
 
 
-def _fns(f):
-  """(forward, forward+backward) jitted from f(q, k, v) -> out."""
-  fwd = jax.jit(f)
-
-  @jax.jit
-  def fwd_bwd(q, k, v, do):
-    out, vjp = jax.vjp(f, q, k, v)
-    return (out,) + vjp(do)
-
-  return fwd, fwd_bwd
-
-
 def run(f) -> list[dict]:
   """Runs the mode; prints a line per row and returns the rows.
 
@@ -100,7 +88,8 @@ def run(f) -> list[dict]:
         natural = [jax.device_put(x, seq) for x in (q, k, v, do)]
         laid = [jax.device_put(ringflash.to_layout(x, layout, p), seq) for x in (q, k, v, do)]
         whole = [jax.device_put(x, devices[0]) for x in (q, k, v, do)]
-        calls = {"one_gpu": (_fns(functools.partial(_cudnn, causal=causal)), whole)}
+        calls = {"one_gpu": (harness.jitted_pair(functools.partial(_cudnn, causal=causal)),
+                             whole)}
         for name in OURS:
           if name == "hybrid" and not u:
             continue
@@ -111,11 +100,11 @@ def run(f) -> list[dict]:
           def ours(q, k, v, name=name, m=m, axis=axis):
             return ringflash.ring_attention(q, k, v, mesh=m, axis_name=axis, is_causal=causal,
                                             layout=layout, strategy=name)
-          calls[name] = (_fns(ours), args)
+          calls[name] = (harness.jitted_pair(ours), args)
         for name in BASELINES:
           if name == "allgather_cudnn" and causal:
             continue
-          calls[name] = (_fns(_baseline(name, mesh, causal)), natural)
+          calls[name] = (harness.jitted_pair(_baseline(name, mesh, causal)), natural)
         row = {"P": p, "T_local": tl, "T": t, "N": f.heads, "K": kh, "H": f.head_dim,
                "causal": causal, "layout": layout}
         passes = [("fwd", 0, 3)] + ([("fwdbwd", 1, 4)] if f.backward else [])
