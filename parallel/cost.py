@@ -25,9 +25,12 @@ Calibration (PLATFORMS below):
     zigzag: 0.87 of one call at 16k tokens per device, 0.71 at 8k (ANCHORS, "Where the
     ring's forward loses"); T0 = 15 us per call; ring transfers at 150 GB/s per direction
     (a ppermute between two H200s, GPU_NOTES runs 20-29: a 64 MiB K/V block in ~0.4 ms);
-    all-to-all and all-gather at 120 GB/s per device (the Ulysses + cuDNN baseline on 4
-    H200s at 16k tokens: its 0.85 forward efficiency leaves ~1.2 ms for two all-to-alls of
-    ~128 MiB each).
+    all-to-all and all-gather at 130 GB/s per device (the Ulysses + cuDNN baseline on 4
+    H200s at 16k tokens, MHA, non-causal: 0.95 forward+backward, so ~3 ms for 384 MiB
+    moved); the merges at 4 TB/s. With these, the model gives the ANCHORS rows (P = 4,
+    forward+backward) ring 0.84 / 0.71 / 0.56 for 16k full / 16k causal / 8k causal
+    (measured 0.82 / 0.73 / 0.49) and Ulysses 0.91 / 0.84 (plain Ulysses + cuDNN measured
+    0.95 / 0.91 with cuDNN's kernel, about 5% faster than ours forward+backward).
   tpu: R = 0.6 x the chip's peak (ANCHORS' TPU table), L0 = 2048, T0 = 5 us; ICI at the
     table's one-way link bandwidth for the ring, half that for all-to-all and all-gather.
   cpu (simulated devices): no meaningful figures. The estimates are printed (R = 0.05
@@ -55,21 +58,22 @@ class Platform:
   ring_bw: float           # bytes/s per direction between ring neighbours
   collective_bw: float     # bytes/s per device for all-to-all and all-gather
   memory: float            # bytes per device
+  hbm_bw: float            # bytes/s of device memory (the ring's per-hop merges)
 
 
 PLATFORMS = {
-    "gpu": Platform(rate=540e12, l0=2800, t0=15e-6, ring_bw=150e9, collective_bw=120e9,
-                    memory=139 * GIB),
+    "gpu": Platform(rate=540e12, l0=2800, t0=15e-6, ring_bw=150e9, collective_bw=130e9,
+                    memory=139 * GIB, hbm_bw=4.0e12),
     "tpu v5p": Platform(rate=0.6 * 459e12, l0=2048, t0=5e-6, ring_bw=90e9,
-                        collective_bw=45e9, memory=95 * GIB),
+                        collective_bw=45e9, memory=95 * GIB, hbm_bw=2.77e12),
     "tpu v5e": Platform(rate=0.6 * 197e12, l0=2048, t0=5e-6, ring_bw=45e9,
-                        collective_bw=22e9, memory=16e9),
+                        collective_bw=22e9, memory=16e9, hbm_bw=0.82e12),
     "tpu v6e": Platform(rate=0.6 * 918e12, l0=2048, t0=5e-6, ring_bw=90e9,
-                        collective_bw=45e9, memory=32e9),
+                        collective_bw=45e9, memory=32e9, hbm_bw=1.64e12),
     "tpu v4": Platform(rate=0.6 * 275e12, l0=2048, t0=5e-6, ring_bw=45e9,
-                       collective_bw=22e9, memory=32 * GIB),
+                       collective_bw=22e9, memory=32 * GIB, hbm_bw=1.2e12),
     "cpu": Platform(rate=0.05e12, l0=256, t0=50e-6, ring_bw=10e9, collective_bw=10e9,
-                    memory=float("inf")),
+                    memory=float("inf"), hbm_bw=20e9),
 }
 
 
@@ -137,21 +141,31 @@ def estimate(strategy: str, call, axes, plat: Platform) -> Estimate:
   e = np.dtype(call.dtype).itemsize
   b, t, s, n, k, h, hv = call.batch, call.t, call.s, call.n, call.k, call.h, call.hv
   lt, ls = t / p, s / p
-  flops = 3.5 * 2 * b * n * t * s * (h + hv) * _valid_fraction(call) / p   # per device
+  f = _valid_fraction(call)
+  flops = 3.5 * 2 * b * n * t * s * (h + hv) * f / p   # per device
 
   def kernel_time(key_range: float, calls: int, share: float = 1.0) -> float:
-    eff = key_range / (key_range + plat.l0)
+    # A call's efficiency follows the keys each query row really meets (half the range with
+    # a causal mask): a causal ring hop is shorter work than a non-causal one.
+    eff = key_range * f / (key_range * f + plat.l0)
     return share * flops / (plat.rate * eff) + calls * plat.t0
+
+  def ring_steps(members: int, rows: float, keys: float, heads: int, kv_heads: int) -> float:
+    # Each step: a kernel on one member's keys, the merge of its (o, lse) into float32
+    # accumulators (forward) or the float32 dQ, dK, dV sums (backward); forward moves K/V,
+    # backward K/V and the float32 dK/dV; a step costs the larger of kernel and transfer.
+    block = b * keys * kv_heads * (h + hv) * e
+    merge = b * rows * heads * hv * 16 / plat.hbm_bw
+    sums = (b * rows * heads * h * 8 + b * keys * kv_heads * (h + hv) * 8) / plat.hbm_bw
+    step_fwd = max(kernel_time(keys, 1, 1 / 3.5 / members) + merge,
+                   block / plat.ring_bw)
+    step_bwd = max(kernel_time(keys, 1, 2.5 / 3.5 / members) + sums,
+                   block * (1 + 4 / e) / plat.ring_bw)
+    return members * (step_fwd + step_bwd)
 
   kv_block = b * ls * k * (h + hv) * e                       # one device's K and V
   if strategy == "ring":
-    # P steps, each a kernel on one device's keys; forward moves K/V, backward K/V and the
-    # float32 dK/dV accumulators; each step costs the larger of its kernel and transfer.
-    fwd_share, bwd_share = 1 / 3.5, 2.5 / 3.5
-    step_fwd = max(kernel_time(ls, 1, fwd_share / p), kv_block / plat.ring_bw)
-    step_bwd = max(kernel_time(ls, 1, bwd_share / p),
-                   (kv_block + kv_block * 4 / e) / plat.ring_bw)
-    seconds = p * (step_fwd + step_bwd) if p > 1 else kernel_time(ls, 2)
+    seconds = ring_steps(p, lt, ls, n, k) if p > 1 else kernel_time(s, 2)
     extra = 2 * kv_block + b * lt * n * (hv + h) * 4 + 2 * kv_block * 4 / e
   elif strategy == "allgather":
     gather = kv_block * (p - 1) / plat.collective_bw
@@ -160,19 +174,14 @@ def estimate(strategy: str, call, axes, plat: Platform) -> Estimate:
   elif strategy in ("ulysses", "hybrid"):
     u = p if strategy == "ulysses" else axes.sizes[-1]
     rep = max(u // k, 1)
+    # forward: q, k, v in and out back; backward: dout in, dq, dk, dv back: the same bytes
     moved = b * lt * (n * h + n * hv + rep * k * (h + hv)) * e * (u - 1) / u
-    a2a = 2 * moved / plat.collective_bw                     # forward: in and out
-    a2a_bwd = 2 * moved / plat.collective_bw                 # backward: the transposes
+    a2a = 2 * moved / plat.collective_bw
     if strategy == "ulysses":
-      seconds = kernel_time(s, 2) + a2a + a2a_bwd
+      seconds = kernel_time(s, 2) + a2a
     else:
       r = p // u
-      block = b * lt * u * max(k // u, 1) * (h + hv) * e     # a gathered run's K/V
-      fwd_share, bwd_share = 1 / 3.5, 2.5 / 3.5
-      step_fwd = max(kernel_time(ls * u, 1, fwd_share / r), block / plat.ring_bw)
-      step_bwd = max(kernel_time(ls * u, 1, bwd_share / r),
-                     (block + block * 4 / e) / plat.ring_bw)
-      seconds = r * (step_fwd + step_bwd) + a2a + a2a_bwd
+      seconds = ring_steps(r, lt * u, ls * u, n // u, max(k // u, 1)) + a2a
     extra = 2 * b * lt * (n * h + n * hv + rep * k * (h + hv)) * e
   else:
     raise ValueError(f"unknown strategy {strategy!r}")
