@@ -5,6 +5,7 @@ import importlib.metadata as _metadata
 from ringflash.api import explain as explain
 from ringflash.api import ring_attention as ring_attention
 from ringflash.api import ring_attention_sharded as ring_attention_sharded
+from ringflash.flax import flax_attention_fn as flax_attention_fn
 from ringflash.kernels.tiles import GpuBlockSizes as GpuBlockSizes
 from ringflash.kernels.tiles import TpuBlockSizes as TpuBlockSizes
 from ringflash.kernels.tiles import XlaBlockSizes as XlaBlockSizes
