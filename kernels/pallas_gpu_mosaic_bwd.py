@@ -11,10 +11,11 @@ recomputed by a second kernel.
 
 One CUDA block (grid: kv heads x key-tile pairs x batch) has three warpgroups. Compute
 warpgroup w (0, 1) owns key rows [64 (2c + w), 64 (2c + w) + 64) of K and V and keeps their
-dK and dV (fp32, 64 x H each) in registers for the whole kernel. The memory warpgroup streams
-Q, dO and (lse2, D) tiles of 64 query rows through a `stages`-deep ring of shared-memory slots
-with TMA, for each of the G = N / K query heads of the group in turn (GQA without repeating
-K/V and without per-query-head dK/dV), over the union of the two key tiles' query-tile ranges.
+dK and dV (fp32, 64 x H and 64 x Hv) in registers for the whole kernel. The memory warpgroup
+streams Q, dO and (lse2, D) tiles of 64 query rows through a `stages`-deep ring of
+shared-memory slots with TMA, for each of the G = N / K query heads of the group in turn
+(GQA without repeating K/V and without per-query-head dK/dV), over the union of the two key
+tiles' query-tile ranges.
 
 dQ needs the sum over both warpgroups' key rows: each warpgroup stores its dsT (bf16) in
 shared memory, the two meet at a barrier, and warpgroup w computes dQ's columns
@@ -31,6 +32,21 @@ dQ columns as usual.
 
 Rows with no valid key (lse = -inf) get lse2 = +inf, so that pT = 0 and every gradient of the
 row is exactly 0; a NaN lse stays NaN (kernels/base.py, guard_backward).
+
+Head dims. H and Hv are 64 or 128 here (kernels/pallas_gpu.py pads the smaller ones and
+sends larger ones to the Triton backward): each compute warpgroup holds dK [64, H] and
+dV [64, Hv] in fp32 registers, H / 2 + Hv / 2 registers a thread, and 128 + 128 columns
+is what the 240 registers take beside sT, dpT and the dQ part. Hv != H changes only the
+V and dO tiles ([64, Hv]), dV, and dpT = V dO^T, which contracts over Hv; sT, dsT and dQ
+depend on H alone.
+
+Soft-cap (a static branch; the plain path is untouched). With s = scale q.k and the capped
+score cap t, t = tanh(s / cap), the kernel recomputes t = tanh(sT scale / cap) from the raw
+sT (one MUFU tanh.approx.f32 a score, as the forward does, so that pT matches the forward's
+lse) and pT = 2^(t c' - lse2) with c' = cap log2(e). The derivative of the cap,
+d(cap t)/ds = 1 - t^2, multiplies dsT before the dK and dQ products; it is folded into pT
+right after pT16 (for dV) is taken: pT (1 - t^2) replaces pT in dsT = pT (dpT - D) scale, so
+no [64, 64] array more than in the plain path lives across the dV and dP products.
 """
 
 from __future__ import annotations
@@ -49,7 +65,11 @@ BLOCK = 64        # query rows per step and key rows per compute warpgroup
 
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
              dlse=None, stages: int = 2):
-  """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32."""
+  """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32.
+
+  q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], out and dout [B, T, N, Hv], with H and
+  Hv in (64, 128) and S a multiple of 128.
+  """
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
   delta = base.softmax_delta(out, dout, dlse)
   # No key: +inf, so that pT = 0 exactly; NaN (the row saw a NaN value) stays NaN.
@@ -61,21 +81,22 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   with base.no_vma_check():
     dq, dk, dv = _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan,
                               scale=spec.scale, causal=spec.causal, window=spec.window,
-                              stages=stages)
+                              softcap=spec.softcap, stages=stages)
   return tuple(base.match_vma(x, *refs) for x in (dq, dk, dv))
 
 
 # Jitted as one unit: the dQ accumulator is a Ref, which an eager shard_map (a ring run
 # outside jit) could not hold between operations.
-@functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "stages"))
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "softcap", "stages"))
 def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float,
-                 causal: bool, window, stages: int):
-  """dq float32 [B, T, N, H]; dk, dv float32 [B, S, K, H]."""
+                 causal: bool, window, softcap: float | None, stages: int):
+  """dq float32 [B, T, N, H]; dk float32 [B, S, K, H]; dv float32 [B, S, K, Hv]."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
 
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
+  hv = v.shape[-1]
   grp = n // kh
   dtype = q.dtype
   bl = BLOCK
@@ -84,7 +105,8 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
   split = h > 64
   hh = h // 2 if split else h                   # dQ columns per product
   nsplit = h // hh                              # K is stored in nsplit column parts
-  c = float(scale * common.LOG2E)
+  # pT = 2^(x c - lse2): x the raw sT (plain) or t = tanh(sT scale / cap) (soft-capped).
+  c = float((scale if softcap is None else softcap) * common.LOG2E)
   has_seg = q_seg is not None
   masked = causal or has_seg or window is not None
   use_pos = causal or window is not None
@@ -124,6 +146,8 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
       if has_seg:
         kseg = plgpu.load(kseg_ref.at[bi, pl.ds(k_base, bl)], layout=row, optimized=False)
       zeros = plgpu.layout_cast(jnp.full((bl, h), 0.0, jnp.float32), layout)
+      zeros_v = (zeros if hv == h else
+                 plgpu.layout_cast(jnp.full((bl, hv), 0.0, jnp.float32), layout))
       zeros_s = plgpu.layout_cast(jnp.full((bl, bl), 0.0, jnp.float32), layout)
       zeros_q = plgpu.layout_cast(jnp.full((bl, hh), 0.0, jnp.float32), layout)
 
@@ -198,6 +222,8 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
           return acc_ref[...]
 
         st = pl.run_scoped(qk, plgpu.ACC((bl, bl), jnp.float32))   # [keys, queries]
+        if softcap is not None:
+          st = jnp.tanh(st * (scale / softcap))     # capped score / cap, in [-1, 1]
         plgpu.barrier_wait(ld_bar.at[slot])
         lse2 = plgpu.load(ld_smem.at[slot, 0], layout=col, optimized=False)
         pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse2, st.shape, [1]))
@@ -216,6 +242,8 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
           valid = base.pair_mask(qp, kp, qsg, ksg, causal=causal, window=window)
           pt = jnp.where(valid, pt, 0.0)
         pt16 = pt.astype(dtype)
+        if softcap is not None:
+          pt = pt * (1.0 - st * st)                 # pT times the cap's derivative
         plgpu.barrier_wait(do_bar.at[slot])
 
         def dv_dp(refs):
@@ -247,7 +275,7 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
         run(g, hi, u_hi, skip_step, None)
         return carry
 
-      dk, dv = lax.fori_loop(0, grp, head_loop, (zeros, zeros))
+      dk, dv = lax.fori_loop(0, grp, head_loop, (zeros, zeros_v))
       dk_ref.at[bi, pl.ds(k_base, bl), kvh][...] = dk
       dv_ref.at[bi, pl.ds(k_base, bl), kvh][...] = dv
       plgpu.wait_smem_to_gmem(0)
@@ -285,9 +313,9 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
     f32_tiling = plgpu.TilingTransform((8, 32))
     scratch = [
         plgpu.SMEM((2, nsplit, bl, hh), dtype, transforms=(tiling, swizzle)),  # K parts
-        plgpu.SMEM((2, bl, h), dtype, transforms=(tiling, swizzle)),          # V
+        plgpu.SMEM((2, bl, hv), dtype, transforms=(tiling, swizzle)),         # V
         plgpu.SMEM((stages, bl, h), dtype, transforms=(tiling, swizzle)),     # Q
-        plgpu.SMEM((stages, bl, h), dtype, transforms=(tiling, swizzle)),     # dO
+        plgpu.SMEM((stages, bl, hv), dtype, transforms=(tiling, swizzle)),    # dO
         plgpu.SMEM((stages, 2, bl), jnp.float32),                             # lse2, D
         plgpu.SMEM((2, 2, bl, bl), dtype, transforms=(tiling, swizzle)),      # dsT
         plgpu.SMEM((2, bl, hh), jnp.float32, transforms=(f32_tiling, swizzle)),  # dQ
@@ -310,7 +338,7 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
     k_seg = jnp.zeros((b, s), jnp.int32)
   dq_acc = jax.new_ref(jnp.zeros((b, t, n, h), jnp.float32))
   out_type = (jax.ShapeDtypeStruct((b, s, kh, h), jnp.float32),
-              jax.ShapeDtypeStruct((b, s, kh, h), jnp.float32))
+              jax.ShapeDtypeStruct((b, s, kh, hv), jnp.float32))
 
   # entry's refs: the inputs, then the dQ accumulator (a Ref), then dK, dV
   dk, dv = common.warp_specialized(entry, out_type, grid=(kh, s // (2 * bl), b),

@@ -15,6 +15,20 @@ its own range without computing (it still waits and releases each slot so that b
 stay in step).
 
 Rows with no valid key end with l = 0: o = 0 and lse = -inf.
+
+Head dims. Q and K tiles are [rows, H] and V tiles [bk, Hv], each stored as 64-column
+swizzle tiles, so H and Hv are multiples of 64 here (the backend, kernels/pallas_gpu.py,
+zero-pads the others): S = Q K^T contracts over H in H / 64 swizzle tiles (H = 192 runs
+natively, three of them), the accumulator is [bq, Hv] and O += P V has Hv columns. With
+Hv != H nothing else changes: o is [B, N, T, Hv].
+
+Soft-cap (a static branch; the plain path is untouched). The scores from the wgmma are raw
+q.k; the plain path keeps them and folds the scale into one FMA, p = 2^(s c - m) with
+c = scale log2(e). With a cap, the capped score is cap tanh(scale s / cap) = cap t, so the
+kernel replaces s by t = tanh(s scale / cap) (one multiply and one MUFU tanh.approx.f32 per
+score, approx_math being on) and sets c = cap log2(e): the mask, the running max and
+p = 2^(t c - m) then read exactly as in the plain path, in base-2 units of the capped
+scores. A masked pair gets -inf after the cap (the contract's order: cap, then mask).
 """
 
 from __future__ import annotations
@@ -30,20 +44,23 @@ from ringflash.kernels import pallas_gpu_common as common
 
 
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: bool,
-            window, has_seg: bool, block_q: int, block_k: int, stages: int):
-  """The Mosaic GPU call: o float32 [B, N, T, H], lse float32 [B, N, T] (natural log).
+            window, has_seg: bool, block_q: int, block_k: int, stages: int,
+            softcap: float | None = None):
+  """The Mosaic GPU call: o float32 [B, N, T, Hv], lse float32 [B, N, T] (natural log).
 
+  q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], H and Hv multiples of 64.
   plan: int32 [B|1, T / block_q, 8] from common.tile_plan.
   """
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
 
   b, t, n, h = q.shape
-  kh = k.shape[2]
+  kh, hv = k.shape[2], v.shape[-1]
   grp = n // kh
   bq, bk = block_q, block_k
   dtype = q.dtype
-  c = float(scale * common.LOG2E)
+  # p = 2^(s c - m): s the raw score (plain) or t = tanh(s scale / cap) (soft-capped).
+  c = float((scale if softcap is None else softcap) * common.LOG2E)
   masked = causal or has_seg or window is not None
   use_pos = causal or window is not None
   layout = plgpu.Layout.WGMMA
@@ -83,7 +100,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
         qseg = plgpu.load(qseg_ref.at[bi, pl.ds(q_base, bq)], layout=row, optimized=False)
       m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
       l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
-      acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), layout)
+      acc = plgpu.layout_cast(jnp.full((bq, hv), 0.0, jnp.float32), layout)
 
       pl.when(wg == 1)(turn)
 
@@ -112,6 +129,8 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
 
         s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
+        if softcap is not None:
+          s = jnp.tanh(s * (scale / softcap))       # capped score / cap, in [-1, 1]
         if use_mask:
           qp = kp = qsg = ksg = None
           if use_pos:
@@ -211,8 +230,8 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
     swizzle = plgpu.SwizzleTransform(128)
     scratch = [
         plgpu.SMEM((2, bq, h), dtype, transforms=(tiling, swizzle)),
-        plgpu.SMEM((stages, bk, h), dtype, transforms=(tiling, swizzle)),
-        plgpu.SMEM((stages, bk, h), dtype, transforms=(tiling, swizzle)),
+        plgpu.SMEM((stages, bk, h), dtype, transforms=(tiling, swizzle)),      # K
+        plgpu.SMEM((stages, bk, hv), dtype, transforms=(tiling, swizzle)),     # V
         plgpu.SMEM((2, bq), jnp.float32),
     ]
     pl.run_scoped(
@@ -229,7 +248,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
   if not has_seg:
     q_seg = jnp.zeros((b, t), jnp.int32)
     k_seg = jnp.zeros((b, k.shape[1]), jnp.int32)
-  out_type = (jax.ShapeDtypeStruct((b, n, t, h), jnp.float32),
+  out_type = (jax.ShapeDtypeStruct((b, n, t, hv), jnp.float32),
               jax.ShapeDtypeStruct((b, n, t), jnp.float32))
   return common.warp_specialized(entry, out_type, grid=(n, t // (2 * bq), b),
                           grid_names=("heads", "q_seq", "batch"))(

@@ -1,7 +1,8 @@
 """The Triton backward of the pallas_gpu backend: two Pallas Triton kernels (dq; dk and dv).
 
 Used where the fused Mosaic GPU backward (kernels/pallas_gpu_mosaic_bwd.py) does not apply:
-head dim 256, key lengths that are not a multiple of 128, and interpret mode on CPU.
+a head dim H or Hv above 128 (e.g. 256, or MLA's 192 / 128), key lengths that are not a
+multiple of 128, and interpret mode on CPU.
 
 From the GLOBAL out and lse (kernels/base.py): p = exp(s - lse) is the final probability of
 each pair, D = rowsum(dout * out) - dlse, and for one (query tile, key tile)
@@ -11,6 +12,15 @@ have work; kernel 2 (grid B x K x S/bk) keeps dk, dv of one key tile and walks, 
 the G = N / K query heads of its group, the query tiles that may have work: GQA without
 repeating K/V and without per-query-head dk/dv partials. Both use the tile ranges of
 common.tile_flags (base.block_may_have_work on tile ranges) and the exact in-tile mask.
+
+Head dims: q, k are [.., H] and v, dout [.., Hv]; dv += p^T dout and dp = dout v^T run over
+Hv, everything else over H. On a GPU, Triton's blocks need powers of two: the backend
+(kernels/pallas_gpu.py, triton_dim) zero-pads H and Hv to 64, 128 or 256 (192 -> 256) and
+cuts dq, dk, dv back.
+
+Soft-cap (a static branch): s = scale q.k becomes cap t with t = tanh(s / cap), before the
+mask, as in the forward; p = exp(cap t - lse), and ds = p (dp - D) (1 - t^2), the derivative
+of the cap applied before the dq and dk products.
 
 Rows with no valid key (lse = -inf) get lse = +inf here, so that p = exp(s - inf) = 0 and
 every gradient of the row is exactly 0 with no inf - inf; a NaN lse stays NaN
@@ -44,8 +54,18 @@ def _dot(a, b):
   return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
+def _scores(q, k, scale, softcap):
+  """(s, dcap): the scores scale q.k^T, soft-capped (cap t, t = tanh(s / cap)) where there
+  is a cap, and the cap's derivative 1 - t^2 (None without a cap)."""
+  s = _dot(q, k.T) * scale
+  if softcap is None:
+    return s, None
+  t = jnp.tanh(s * (1.0 / softcap))
+  return softcap * t, 1.0 - t * t
+
+
 def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-               qseg_ref, kseg_ref, rng_ref, dq_ref, *, scale, causal, window, bk):
+               qseg_ref, kseg_ref, rng_ref, dq_ref, *, scale, causal, window, softcap, bk):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   q = q_ref[...]                                    # [bq, H]
   do = do_ref[...]
@@ -58,7 +78,7 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_r
     ks = pl.ds(j * bk, bk)
     kt = k_ref[ks, :]                               # [bk, H]
     vt = v_ref[ks, :]
-    s = _dot(q, kt.T) * scale                       # [bq, bk]
+    s, dcap = _scores(q, kt, scale, softcap)        # [bq, bk]
     p = jnp.exp(s - lse[:, None])
     kseg = None if kseg_ref is None else kseg_ref[ks]
     valid = base.pair_mask(qpos[:, None], kpos_ref[ks][None, :],
@@ -66,6 +86,8 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_r
                            None if kseg is None else kseg[None, :], causal=causal, window=window)
     dp = _dot(do, vt.T)
     ds = p * (dp - delta[:, None])
+    if dcap is not None:
+      ds = ds * dcap
     if valid is not None:       # masked pairs: exact zeros, also where D is NaN
       p = jnp.where(valid, p, 0.0)
       ds = jnp.where(valid, ds, 0.0)
@@ -78,8 +100,8 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_r
 
 
 def _dkv_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                qseg_ref, kseg_ref, rng_ref, dk_ref, dv_ref, *, scale, causal, window, bq,
-                groups):
+                qseg_ref, kseg_ref, rng_ref, dk_ref, dv_ref, *, scale, causal, window, softcap,
+                bq, groups):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   kt = k_ref[...]                                   # [bk, H]
   vt = v_ref[...]
@@ -96,7 +118,7 @@ def _dkv_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_
       dot_ = do_ref[qs, g, :]
       lse = lse_ref[g, qs]                          # [bq]
       delta = delta_ref[g, qs]
-      s = _dot(qt, kt.T) * scale                    # [bq, bk]
+      s, dcap = _scores(qt, kt, scale, softcap)     # [bq, bk]
       p = jnp.exp(s - lse[:, None])
       qseg = None if qseg_ref is None else qseg_ref[qs]
       valid = base.pair_mask(qpos_ref[qs][:, None], kpos[None, :],
@@ -105,6 +127,8 @@ def _dkv_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_
                              window=window)
       dp = _dot(dot_, vt.T)
       ds = p * (dp - delta[:, None])
+      if dcap is not None:
+        ds = ds * dcap
       if valid is not None:     # masked pairs: exact zeros, also where D is NaN
         p = jnp.where(valid, p, 0.0)
         ds = jnp.where(valid, ds, 0.0)
@@ -120,8 +144,13 @@ def _dkv_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_
 
 
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
-             dlse=None, block: int = 64):
-  """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32."""
+             dlse=None, block: int = 64, num_warps: int = 4):
+  """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32.
+
+  q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], out and dout [B, T, N, Hv]; on a GPU H
+  and Hv powers of two. block: query and key rows per tile; num_warps: per Triton program
+  (kernels/pallas_gpu.py takes 8 where H = Hv = 256).
+  """
   b, t = q.shape[0], q.shape[1]
   s = k.shape[1]
   bq = bk = block
@@ -142,22 +171,23 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   # without mesh-axis typing and restore it on the outputs (match_vma below).
   with base.no_vma_check():
     dq, dk, dv = _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng,
-                        k_rng, spec, window, bq, bk)
+                        k_rng, spec, window, bq, bk, num_warps)
   return tuple(base.match_vma(x, *refs) for x in (dq, dk, dv))
 
 
 def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_rng, spec,
-           window, bq, bk):
+           window, bq, bk, num_warps):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
+  hv = v.shape[-1]
   groups = n // kh
   nq, nk = t // bq, s // bk
   has_seg = q_seg is not None
   seg_args = (q_seg.astype(jnp.int32), k_seg.astype(jnp.int32)) if has_seg else ()
   params = dict(interpret=bool(spec.interpret),
-                compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2))
+                compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2))
 
   def with_seg(kernel):
     """Insert None for the segment refs when there are none (8 refs precede them)."""
@@ -173,13 +203,13 @@ def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_
                  pl.BlockSpec((None, s), lambda bi, ni, i: (bi, 0))] if has_seg else []
   dq = pl.pallas_call(
       with_seg(functools.partial(_dq_kernel, scale=spec.scale, causal=spec.causal,
-                                 window=window, bk=bk)),
+                                 window=window, softcap=spec.softcap, bk=bk)),
       grid=(b, n, nq),
       in_specs=[
           pl.BlockSpec((None, bq, None, h), lambda bi, ni, i: (bi, i, ni, 0)),       # q
-          pl.BlockSpec((None, bq, None, h), lambda bi, ni, i: (bi, i, ni, 0)),       # dout
+          pl.BlockSpec((None, bq, None, hv), lambda bi, ni, i: (bi, i, ni, 0)),      # dout
           pl.BlockSpec((None, s, None, h), lambda bi, ni, i: (bi, 0, ni // groups, 0)),
-          pl.BlockSpec((None, s, None, h), lambda bi, ni, i: (bi, 0, ni // groups, 0)),
+          pl.BlockSpec((None, s, None, hv), lambda bi, ni, i: (bi, 0, ni // groups, 0)),
           pl.BlockSpec((None, None, bq), lambda bi, ni, i: (bi, ni, i)),             # lse
           pl.BlockSpec((None, None, bq), lambda bi, ni, i: (bi, ni, i)),             # delta
           pl.BlockSpec((bq,), lambda bi, ni, i: (i,)),                               # q_pos
@@ -195,16 +225,17 @@ def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_
   # dk, dv: grid (batch, kv head, key tile); the G query heads of the group in one block
   seg_specs_k = [pl.BlockSpec((None, t), lambda bi, hi, j: (bi, 0)),
                  pl.BlockSpec((None, bk), lambda bi, hi, j: (bi, j))] if has_seg else []
-  kv_block = pl.BlockSpec((None, bk, None, h), lambda bi, hi, j: (bi, j, hi, 0))
+  k_block = pl.BlockSpec((None, bk, None, h), lambda bi, hi, j: (bi, j, hi, 0))
+  v_block = pl.BlockSpec((None, bk, None, hv), lambda bi, hi, j: (bi, j, hi, 0))
   dk, dv = pl.pallas_call(
       with_seg(functools.partial(_dkv_kernel, scale=spec.scale, causal=spec.causal,
-                                 window=window, bq=bq, groups=groups)),
+                                 window=window, softcap=spec.softcap, bq=bq, groups=groups)),
       grid=(b, kh, nk),
       in_specs=[
           pl.BlockSpec((None, t, groups, h), lambda bi, hi, j: (bi, 0, hi, 0)),      # q
-          pl.BlockSpec((None, t, groups, h), lambda bi, hi, j: (bi, 0, hi, 0)),      # dout
-          kv_block,                                                                  # k
-          kv_block,                                                                  # v
+          pl.BlockSpec((None, t, groups, hv), lambda bi, hi, j: (bi, 0, hi, 0)),     # dout
+          k_block,                                                                   # k
+          v_block,                                                                   # v
           pl.BlockSpec((None, groups, t), lambda bi, hi, j: (bi, hi, 0)),            # lse
           pl.BlockSpec((None, groups, t), lambda bi, hi, j: (bi, hi, 0)),            # delta
           pl.BlockSpec((t,), lambda bi, hi, j: (0,)),                                # q_pos
@@ -212,8 +243,9 @@ def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_
           *seg_specs_k,
           pl.BlockSpec((None, None, 2), lambda bi, hi, j: (bi, j, 0)),               # range
       ],
-      out_specs=[kv_block, kv_block],
-      out_shape=[jax.ShapeDtypeStruct((b, s, kh, h), jnp.float32)] * 2,
+      out_specs=[k_block, v_block],
+      out_shape=[jax.ShapeDtypeStruct((b, s, kh, h), jnp.float32),
+                 jax.ShapeDtypeStruct((b, s, kh, hv), jnp.float32)],
       **params,
   )(q, dout, k, v, lse_safe, delta, q_pos, k_pos, *seg_args, k_rng)
   return dq, dk, dv

@@ -75,8 +75,8 @@ class TpuBlockSizes:
 
 @dataclasses.dataclass(frozen=True)
 class GpuBlockSizes:
-  """Tiles of the Mosaic GPU forward; None leaves a size to the default (64 x 128, 64 x 64
-  at head dim 256).
+  """Tiles of the Mosaic GPU forward; None leaves a size to the default (block_q 64; block_k
+  128 where the padded head dims allow it, Hv <= 128 and H <= 192, else 64).
 
   One compute warpgroup owns `block_q` query rows (a CUDA block covers 2 * block_q), the
   memory warpgroup streams `block_k` key rows per step through `stages` shared-memory slots.

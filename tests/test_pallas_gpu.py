@@ -3,10 +3,12 @@
 The Mosaic GPU kernels need a Hopper GPU to run: with the installed jax they cannot run in
 interpret mode on CPU (the HLO interpreter rejects run_scoped over the warpgroup axis, and the
 GPU interpreter cannot lower wgmma). So the numerical cases run only where a GPU of compute
-capability >= 9.0 is present (JAX_PLATFORMS=cuda). On CPU: the tile plan, the Triton backward
-kernels (Pallas interpret mode), and the lowering of both Mosaic GPU kernels for CUDA, alone
-and inside shard_map as the ring calls them, which runs Mosaic GPU's layout inference and
-shared-memory budget check on this machine.
+capability >= 9.0 is present (JAX_PLATFORMS=cuda). On CPU: the tile plan, what the backend
+accepts and which kernel takes which head dims, the Triton backward kernels (Pallas interpret
+mode; with soft-cap, Hv != H and padded head dims), the lowering of both Mosaic GPU kernels
+for CUDA, alone and inside shard_map as the ring calls them, which runs Mosaic GPU's layout
+inference and shared-memory budget check on this machine, and the lowering of the Triton
+backward for an H200 at the head dims it takes (power-of-two blocks after padding).
 
 bf16 criterion: error vs the fp32 oracle <= 2x the error of plain bf16 dense attention
 (3x for gradients); max absolute error over all elements.
@@ -116,31 +118,52 @@ def test_tile_plan_is_conservative(causal, segs, window, transposed):
 # ----------------------------------------------------------------------------- CPU: bwd
 
 
-@pytest.mark.parametrize("causal,segs,n,kh,window", [(True, False, 4, 2, None),
-                                                     (False, True, 2, 1, (20, 5))])
-def test_backward_kernels_interpret(causal, segs, n, kh, window):
-  """The Triton backward kernels in interpret mode, from the oracle's out and lse."""
-  b, t, h = 1, 128, 64
-  q, k, v, do = helpers.inputs(1, b, t, t, n, kh, h, jnp.bfloat16)
+def _inputs(seed, b, t, s, n, kh, h, hv, dtype=jnp.bfloat16):
+  """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] and dout [B, T, N, Hv], O(1) values."""
+  q, k, v, do = helpers.inputs(seed, b, t, s, n, kh, h, dtype)
+  if hv != h:
+    kv, kd = jax.random.split(jax.random.key(seed + 100))
+    v = jax.random.normal(kv, (b, s, kh, hv), jnp.float32).astype(dtype)
+    do = jax.random.normal(kd, (b, t, n, hv), jnp.float32).astype(dtype)
+  return q, k, v, do
+
+
+INTERPRET_CASES = [
+    # causal, segs, n, kh, window, h, hv, softcap, through the backend (padding)
+    (True, False, 4, 2, None, 64, 64, None, False),
+    (False, True, 2, 1, (20, 5), 64, 64, None, False),
+    (True, True, 4, 2, None, 64, 128, 2.0, False),       # soft-cap, Hv > H, empty rows
+    (False, False, 2, 1, (30, 10), 80, 48, 3.0, True),   # padded to 128 / 64, trimmed
+]
+
+
+@pytest.mark.parametrize("causal,segs,n,kh,window,h,hv,softcap,backend", INTERPRET_CASES)
+def test_backward_kernels_interpret(causal, segs, n, kh, window, h, hv, softcap, backend):
+  """The Triton backward kernels in interpret mode, from the oracle's out and lse; with
+  `backend`, through pallas_gpu.backward, which pads the head dims for them and cuts the
+  gradients back."""
+  b, t = 1, 128
+  q, k, v, do = _inputs(1, b, t, t, n, kh, h, hv)
   q_seg, kv_seg = _segments(b, t, t, with_empty=True) if segs else (None, None)
   pos = jnp.arange(t, dtype=jnp.int32)
   spec = base.KernelSpec(scale=h ** -0.5, causal=causal,
-                         tiles=ringflash.GpuBlockSizes(64, 64, 2), interpret=True, window=window)
+                         tiles=ringflash.GpuBlockSizes(64, 64, 2), interpret=True, window=window,
+                         softcap=softcap)
 
   def dense(upcast, q, k, v):
     return oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
-                            upcast=upcast, window=window)[0]
+                            upcast=upcast, window=window, softcap=softcap)[0]
 
   out, lse = oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
-                              window=window)
-  got = pallas_gpu_triton_bwd.backward(q, k, v, out.astype(q.dtype), lse, do, pos, pos, q_seg,
-                                kv_seg, spec)
+                              window=window, softcap=softcap)
+  kernel = pallas_gpu.backward if backend else pallas_gpu_triton_bwd.backward
+  got = kernel(q, k, v, out.astype(q.dtype), lse, do, pos, pos, q_seg, kv_seg, spec)
   _, vjp32 = jax.vjp(lambda *a: dense(True, *a), q, k, v)
   want = vjp32(do.astype(jnp.float32))
   _, vjp16 = jax.vjp(lambda *a: dense(False, *a), q, k, v)
   plain = vjp16(do)
   for name, g, w, p in zip(("dq", "dk", "dv"), got, want, plain):
-    assert g.dtype == jnp.float32
+    assert g.dtype == jnp.float32 and g.shape == w.shape, name
     assert bool(jnp.all(jnp.isfinite(g))), name
     assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
   if segs:  # rows with no valid key: zero dq
@@ -150,10 +173,10 @@ def test_backward_kernels_interpret(causal, segs, n, kh, window):
 # ----------------------------------------------------------------------------- CPU: lowering
 
 
-def _problem(t, s, h, kh, group):
+def _problem(t, s, h, kh, group, hv=None, softcap=None, dtype=jnp.bfloat16):
   return base.Problem(q_len=t, kv_len=s, head_dim=h, kv_heads=kh, group=group,
-                      dtype=jnp.dtype(jnp.bfloat16), platform="gpu", device_kind="NVIDIA H200",
-                      compute_capability="9.0")
+                      dtype=jnp.dtype(dtype), platform="gpu", device_kind="NVIDIA H200",
+                      compute_capability="9.0", head_dim_v=hv, softcap=softcap)
 
 
 def _lower_for_cuda(fn, *shapes):
@@ -162,55 +185,122 @@ def _lower_for_cuda(fn, *shapes):
 
 
 LOWER_CASES = [
-    # which, causal, segs, window, n, kh, h, t
-    ("forward", True, False, None, 4, 2, 128, 512),
-    ("forward", False, True, (40, 20), 4, 1, 64, 256),
-    ("forward", True, False, None, 2, 2, 256, 256),
-    ("backward", False, False, None, 4, 4, 128, 512),
-    ("backward", True, True, None, 8, 2, 128, 512),
-    ("backward", False, False, (40, 20), 2, 1, 128, 256),
-    ("backward", True, True, None, 4, 1, 64, 256),
+    # which, causal, segs, window, n, kh, h, hv, t, softcap
+    ("forward", True, False, None, 4, 2, 128, 128, 512, None),
+    ("forward", False, True, (40, 20), 4, 1, 64, 64, 256, None),
+    ("forward", True, False, None, 2, 2, 256, 256, 256, None),
+    ("backward", False, False, None, 4, 4, 128, 128, 512, None),
+    ("backward", True, True, None, 8, 2, 128, 128, 512, None),
+    ("backward", False, False, (40, 20), 2, 1, 128, 128, 256, None),
+    ("backward", True, True, None, 4, 1, 64, 64, 256, None),
+    # soft-cap
+    ("forward", True, True, None, 4, 2, 128, 128, 512, 30.0),
+    ("backward", True, True, None, 4, 2, 128, 128, 512, 30.0),
+    ("backward", False, False, None, 2, 1, 64, 64, 256, 2.0),
+    # value head dims: MLA's 192 / 128 (forward native; its backward is Triton's, below),
+    # 128 / 64 and 64 / 128
+    ("forward", True, False, None, 4, 1, 192, 128, 512, None),
+    ("forward", False, False, None, 4, 2, 128, 64, 256, 5.0),
+    ("backward", False, False, None, 4, 2, 128, 64, 256, None),
+    ("forward", True, False, None, 2, 2, 64, 128, 256, None),
+    ("backward", True, False, None, 2, 2, 64, 128, 256, 5.0),
+    # head dims padded to 128 (forward and fused backward)
+    ("forward", True, False, None, 4, 2, 96, 96, 256, None),
+    ("backward", True, False, None, 4, 2, 80, 80, 256, None),
+    ("backward", False, True, None, 2, 1, 112, 48, 256, 3.0),
 ]
 
 
-def _in_shard_map(fn, seq_dims, out_dims):
-  """fn inside shard_map over a one-device mesh with each array's sequence dimension mapped,
-  as the ring calls the kernels: there, positions and bounds read from such arrays carry the
-  mesh axis in their type, and every loop carry inside the kernel must agree with it."""
+def _in_shard_map(fn, seq_dims, out_dims, mesh=None):
+  """fn inside shard_map over a one-device mesh (default: this host's first device) with
+  each array's sequence dimension mapped, as the ring calls the kernels: there, positions
+  and bounds read from such arrays carry the mesh axis in their type, and every loop carry
+  inside the kernel must agree with it."""
   def seq(d):
     return jax.sharding.PartitionSpec(*([None] * d + ["sp"]))
 
-  return jax.shard_map(fn, mesh=Mesh(np.array(jax.devices()[:1]), ("sp",)),
-                       in_specs=tuple(map(seq, seq_dims)), out_specs=tuple(map(seq, out_dims)))
+  mesh = Mesh(np.array(jax.devices()[:1]), ("sp",)) if mesh is None else mesh
+  return jax.shard_map(fn, mesh=mesh, in_specs=tuple(map(seq, seq_dims)),
+                       out_specs=tuple(map(seq, out_dims)))
+
+
+def _kernel_fn(which, causal, segs, window, n, kh, h, hv, t, softcap):
+  """(fn, ShapeDtypeStructs of its arguments, sequence dims of args and outputs) of the
+  backend's forward or backward, with the backend's default tiles."""
+  b = 2 if segs else 1
+  q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((b, t, kh, hv), jnp.bfloat16)
+  pos = jax.ShapeDtypeStruct((t,), jnp.int32)
+  seg = jax.ShapeDtypeStruct((b, t), jnp.int32) if segs else None
+  tiles = pallas_gpu.resolve_tiles(None, _problem(t, t, h, kh, n // kh, hv=hv, softcap=softcap))
+  spec = base.KernelSpec(scale=h ** -0.5, causal=causal, tiles=tiles, window=window,
+                         softcap=softcap)
+  if which == "forward":
+    fn = lambda q, k, v, p, s: pallas_gpu.forward(q, k, v, p, p, s, s, spec)
+    return fn, [q, k, v, pos, seg], [1, 1, 1, 0, 1], [1, 2]
+  o = jax.ShapeDtypeStruct((b, t, n, hv), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
+  fn = lambda q, k, v, o, lse, do, p, s: pallas_gpu.backward(q, k, v, o, lse, do, p, p, s, s,
+                                                             spec)
+  return fn, [q, k, v, o, lse, o, pos, seg], [1, 1, 1, 1, 2, 1, 0, 1], [1, 1, 1]
 
 
 @pytest.mark.parametrize("in_ring", [False, True], ids=["alone", "in_shard_map"])
-@pytest.mark.parametrize("which,causal,segs,window,n,kh,h,t", LOWER_CASES)
-def test_mosaic_kernels_lower_for_cuda(which, causal, segs, window, n, kh, h, t, in_ring):
-  b = 2 if segs else 1
-  q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
-  pos = jax.ShapeDtypeStruct((t,), jnp.int32)
-  seg = jax.ShapeDtypeStruct((b, t), jnp.int32) if segs else None
-  tiles = pallas_gpu.resolve_tiles(None, _problem(t, t, h, kh, n // kh))
-  spec = base.KernelSpec(scale=h ** -0.5, causal=causal, tiles=tiles, window=window)
-  if which == "forward":
-    fn = lambda q, k, v, p, s: pallas_gpu.forward(q, k, v, p, p, s, s, spec)
-    args, seq_dims, out_dims = [q, kv, kv, pos, seg], [1, 1, 1, 0, 1], [1, 2]
-  else:
-    assert h in pallas_gpu.MOSAIC_BWD_HEAD_DIMS
-    o = jax.ShapeDtypeStruct((b, t, n, h), jnp.float32)
-    lse = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
-    fn = lambda q, k, v, o, lse, do, p, s: pallas_gpu.backward(q, k, v, o, lse, do, p, p, s,
-                                                               s, spec)
-    args = [q, kv, kv, o, lse, q, pos, seg]
-    seq_dims, out_dims = [1, 1, 1, 1, 2, 1, 0, 1], [1, 1, 1]
+@pytest.mark.parametrize("which,causal,segs,window,n,kh,h,hv,t,softcap", LOWER_CASES)
+def test_mosaic_kernels_lower_for_cuda(which, causal, segs, window, n, kh, h, hv, t, softcap,
+                                       in_ring):
+  if which == "backward":
+    assert pallas_gpu.fused_backward(h, hv, t, interpret=False)
+  fn, args, seq_dims, out_dims = _kernel_fn(which, causal, segs, window, n, kh, h, hv, t,
+                                            softcap)
   if in_ring:
     fn = _in_shard_map(fn, seq_dims, out_dims)
   text = _lower_for_cuda(fn, *args)
   # the kernel is a Mosaic GPU custom call, not a fallback
   assert "mosaic_gpu" in text
   assert "triton" not in text.lower()
+
+
+def _abstract_h200():
+  """A one-device abstract mesh (axis "sp") of an H200: in its context Pallas Triton lowers
+  for that GPU on a machine without one (it reads the GPU's kind from the abstract mesh).
+  None where this jax has no AbstractDevice."""
+  device_cls = getattr(jax.sharding, "AbstractDevice", None)
+  if device_cls is None:
+    return None
+  try:
+    device = device_cls(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    return jax.sharding.AbstractMesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,),
+                                     abstract_device=device)
+  except TypeError:
+    return None
+
+
+TRITON_LOWER_CASES = [
+    # which, causal, segs, window, n, kh, h, hv, t, softcap
+    ("backward", True, False, None, 4, 1, 192, 128, 256, None),      # MLA: padded to 256
+    ("backward", False, True, None, 4, 2, 192, 128, 256, 30.0),
+    ("backward", True, False, (40, 0), 2, 2, 256, 256, 256, 5.0),
+    ("backward", True, False, None, 2, 1, 160, 72, 256, None),        # 256 / 128, padded
+]
+
+
+@pytest.mark.parametrize("which,causal,segs,window,n,kh,h,hv,t,softcap", TRITON_LOWER_CASES)
+def test_triton_backward_lowers_for_cuda(which, causal, segs, window, n, kh, h, hv, t,
+                                         softcap):
+  """The backward of head dims the fused kernel does not take: Pallas -> Triton for CUDA
+  (power-of-two blocks after padding), alone and inside shard_map."""
+  assert not pallas_gpu.fused_backward(h, hv, t, interpret=False)
+  mesh = _abstract_h200()
+  if mesh is None:
+    pytest.skip("needs jax.sharding.AbstractDevice to lower Pallas Triton without a GPU")
+  fn, args, seq_dims, out_dims = _kernel_fn(which, causal, segs, window, n, kh, h, hv, t,
+                                            softcap)
+  for f in (fn, _in_shard_map(fn, seq_dims, out_dims, mesh)):
+    with jax.sharding.use_abstract_mesh(mesh):
+      text = _lower_for_cuda(f, *args)
+    assert "triton" in text.lower() and "mosaic_gpu" not in text
 
 
 def test_forward_tiles_beyond_shared_memory_raise():
@@ -221,6 +311,52 @@ def test_forward_tiles_beyond_shared_memory_raise():
   tiles = pallas_gpu.resolve_tiles(ringflash.GpuBlockSizes(64, 128),
                                    _problem(512, 512, 128, 1, 1))
   assert (tiles.block_q, tiles.block_k, tiles.stages) == (64, 128, 2)
+
+
+@pytest.mark.parametrize("h,hv,softcap,dtype,why", [
+    (128, 128, 30.0, jnp.bfloat16, None),
+    (192, 128, None, jnp.bfloat16, None),             # MLA
+    (128, 64, None, jnp.float16, None),
+    (64, 128, 2.0, jnp.bfloat16, None),
+    (80, 80, None, jnp.bfloat16, None),               # padded
+    (8, 256, None, jnp.bfloat16, None),
+    (100, 100, None, jnp.bfloat16, "head_dim a multiple of 8 up to 256, got 100"),
+    (264, 128, None, jnp.bfloat16, "head_dim a multiple of 8 up to 256, got 264"),
+    (128, 60, None, jnp.bfloat16, "head_dim_v a multiple of 8 up to 256, got 60"),
+    (128, 128, None, jnp.float32, "bfloat16 and float16"),
+])
+def test_unsupported_names_what_it_refuses(h, hv, softcap, dtype, why):
+  """Head dims: multiples of 8 up to 256 (H and Hv each), with or without a soft-cap; the
+  inputs bf16 or fp16. Every accepted combination resolves tiles that fit."""
+  problem = _problem(512, 512, h, 2, 2, hv=hv, softcap=softcap, dtype=dtype)
+  reason = pallas_gpu.unsupported(problem)
+  if why is None:
+    assert reason is None
+    tiles = pallas_gpu.resolve_tiles(None, problem)
+    assert tiles.block_k in (64, 128)
+  else:
+    assert why in reason and "pallas_gpu" in reason
+
+
+@pytest.mark.parametrize("h,hv,block_k,fused,dims", [
+    (128, 128, 128, True, (128, 128)),
+    (64, 64, 128, True, (64, 64)),
+    (128, 64, 128, True, (128, 64)),
+    (64, 128, 128, True, (64, 128)),
+    (80, 96, 128, True, (128, 128)),          # both padded to 128
+    (192, 128, 128, False, (256, 128)),       # MLA: forward native, Triton backward at 256
+    (256, 256, 64, False, (256, 256)),
+    (160, 72, 128, False, (256, 128)),        # forward at 192 / 128, as MLA
+])
+def test_which_kernel_takes_which_head_dims(h, hv, block_k, fused, dims):
+  """The forward's default key tile, and which backward runs at which padded head dims."""
+  tiles = pallas_gpu.resolve_tiles(None, _problem(1024, 1024, h, 2, 2, hv=hv))
+  assert tiles.block_k == block_k
+  assert pallas_gpu.fused_backward(h, hv, 1024, interpret=False) == fused
+  size = pallas_gpu.mosaic_dim if fused else pallas_gpu.triton_dim
+  assert (size(h), size(hv)) == dims
+  assert not pallas_gpu.fused_backward(h, hv, 1024 + 64, interpret=False)
+  assert not pallas_gpu.fused_backward(h, hv, 1024, interpret=True)
 
 
 # ----------------------------------------------------------------------------- H200
@@ -255,27 +391,51 @@ CASES = [
 @needs_hopper
 @pytest.mark.parametrize("causal,segs,n,kh,h,t,dtype,grads", CASES)
 def test_ring_one_gpu_matches_oracle(causal, segs, n, kh, h, t, dtype, grads):
+  _check_ring_one_gpu(causal, segs, n, kh, h, h, t, dtype, grads, softcap=None)
+
+
+# The vocabulary of real models at the head dims of real models (the contract cases,
+# tests/contract/, run the same features at head dim 64). Each names its kernels.
+VOCAB_CASES = [
+    # causal, segs, n, kh, h, hv, softcap, t
+    (True, True, 4, 2, 128, 128, 20.0, 512),   # soft-cap; fused backward; rows with no key
+    (True, False, 4, 1, 192, 128, None, 512),  # MLA: forward at 192 / 128, Triton bwd at 256
+    (False, False, 4, 2, 128, 64, 5.0, 512),   # Hv < H, soft-cap; fused backward
+    (True, False, 2, 2, 80, 80, None, 512),    # padded to 128; forward and fused backward
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal,segs,n,kh,h,hv,softcap,t", VOCAB_CASES)
+def test_ring_one_gpu_vocabulary_matches_oracle(causal, segs, n, kh, h, hv, softcap, t):
+  _check_ring_one_gpu(causal, segs, n, kh, h, hv, t, jnp.bfloat16, True, softcap=softcap)
+
+
+def _check_ring_one_gpu(causal, segs, n, kh, h, hv, t, dtype, grads, softcap):
+  """ring_attention on a one-GPU mesh (backend pallas_gpu), forward and gradients, against
+  the oracle (bf16 criterion)."""
   b = 2 if segs else 1
-  q, k, v, do = helpers.inputs(2, b, t, t, n, kh, h, dtype)
+  q, k, v, do = _inputs(2, b, t, t, n, kh, h, hv, dtype)
   q_seg, kv_seg = _segments(b, t, t, with_empty=True) if segs else (None, None)
   seg_arg = (q_seg, kv_seg) if segs else None
   mesh = _mesh()
 
   def ours(q, k, v):
     return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal, segment_ids=seg_arg,
-                                    backend="pallas_gpu", return_residual=True)
+                                    backend="pallas_gpu", return_residual=True,
+                                    logits_soft_cap=softcap)
 
   def dense(upcast, q, k, v):
     return oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
-                            upcast=upcast)[0]
+                            upcast=upcast, softcap=softcap)[0]
 
   # Everything under jit: run eagerly, each operation of the ring and of the oracle would be
   # compiled on its own, which takes minutes per case on the GPU.
   (out, lse), vjp = jax.jit(lambda *a: jax.vjp(ours, *a))(q, k, v)
   want, want_lse = jax.jit(lambda *a: oracle.attention(*a, causal=causal, q_seg=q_seg,
-                                                       kv_seg=kv_seg))(q, k, v)
+                                                       kv_seg=kv_seg, softcap=softcap))(q, k, v)
   plain = jax.jit(lambda *a: dense(False, *a))(q, k, v)
-  assert out.dtype == dtype
+  assert out.dtype == dtype and out.shape == (b, t, n, hv)
   assert _max_err(out, want) <= 2 * _max_err(plain, want)
   finite = jnp.isfinite(want_lse)
   assert bool(jnp.all(jnp.isfinite(lse) == finite))
@@ -285,6 +445,7 @@ def test_ring_one_gpu_matches_oracle(causal, segs, n, kh, h, t, dtype, grads):
   got = jax.jit(vjp)((do, jnp.zeros_like(lse)))
   want_g, plain_g = _dense_grads(dense, q, k, v, do)
   for name, g, w, p in zip(("dq", "dk", "dv"), got, want_g, plain_g):
+    assert g.shape == w.shape, name
     assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), name
     assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
 
@@ -335,3 +496,40 @@ def test_auto_picks_pallas_gpu():
   d = _hopper_devices()[0]
   shape = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
   assert introspect.ring_spec(shape, shape, shape, ring_size=1, device=d).backend == "pallas_gpu"
+
+
+BWD_VOCAB_CASES = [
+    # causal, segs, n, kh, h, hv, softcap
+    (True, True, 4, 2, 128, 128, 30.0),        # fused, soft-cap, rows with no valid key
+    (True, False, 4, 2, 64, 128, 2.0),         # fused, Hv > H, soft-cap
+    (False, False, 4, 1, 192, 128, 4.0),       # Triton on the GPU at 256 / 128, soft-cap
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal,segs,n,kh,h,hv,softcap", BWD_VOCAB_CASES)
+def test_backward_vocabulary_matches_oracle(causal, segs, n, kh, h, hv, softcap):
+  """The backend's backward (the fused Mosaic kernel or the Triton one, with padding) from
+  the oracle's out and lse, with soft-cap and Hv != H (bf16 criterion)."""
+  b, t = (2 if segs else 1), 512
+  q, k, v, do = _inputs(3, b, t, t, n, kh, h, hv)
+  q_seg, kv_seg = _segments(b, t, t, with_empty=True) if segs else (None, None)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  tiles = pallas_gpu.resolve_tiles(None, _problem(t, t, h, kh, n // kh, hv=hv, softcap=softcap))
+  spec = base.KernelSpec(scale=h ** -0.5, causal=causal, tiles=tiles, softcap=softcap)
+
+  def dense(upcast, q, k, v):
+    return oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
+                            upcast=upcast, softcap=softcap)[0]
+
+  out, lse = jax.jit(lambda *a: oracle.attention(*a, causal=causal, q_seg=q_seg,
+                                                 kv_seg=kv_seg, softcap=softcap))(q, k, v)
+  got = jax.jit(lambda *a: pallas_gpu.backward(*a, spec))(
+      q, k, v, out.astype(q.dtype), lse, do, pos, pos, q_seg, kv_seg)
+  want, plain = _dense_grads(dense, q, k, v, do)
+  for name, g, w, p in zip(("dq", "dk", "dv"), got, want, plain):
+    assert g.dtype == jnp.float32 and g.shape == w.shape, name
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
+  if segs:  # rows with no valid key: zero dq
+    assert float(jnp.abs(got[0][:, t - t // 8:]).max()) == 0.0
