@@ -105,6 +105,19 @@ def layout_positions(layout: str, ring_size: int, length: int,
   return pos.reshape(ring_size, length // ring_size)
 
 
+def natural_order(layout: str, ring_size: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+  """The rows of a layout-ordered sequence of `length` tokens in natural order, and back.
+
+  Returns (order, positions), int32 [length] each: x[:, order] is natural order, and
+  natural[:, positions] is layout order again. zigzag, P = 2, 8 tokens: layout rows hold
+  positions 0 1 6 7 2 3 4 5, so order = 0 1 4 5 6 7 2 3 and positions = 0 1 6 7 2 3 4 5.
+  A kernel over a whole sequence (Ulysses, all-gather) skips tiles by contiguous key ranges
+  per query tile: it wants the natural order, where each row's keys are one range.
+  """
+  positions = layout_positions(layout, ring_size, length).reshape(-1)
+  return np.argsort(positions).astype(np.int32), positions
+
+
 def device_positions(layout: str, index, ring_size: int, local_len: int, group: int = 1):
   """[local_len] int32 global positions of ring member `index` (traced inside shard_map);
   group as layout_positions."""

@@ -6,9 +6,11 @@ heads: device 2 holds positions 512..767 of all heads. The all-to-all over the a
 the heads in 4 and gathers the sequence: device 2 then holds query heads 8..11 of all 1024
 positions (rows in layout order: device 0's rows, then device 1's, ...) and kv head 2 (query
 head n uses kv head n // 4). It attends those heads over the whole sequence in one kernel
-call (parallel.local.attend, positions parallel.plan.layout_positions flattened, so causal
-masks and tile skipping follow the true positions), and a second all-to-all returns
-positions 512..767 of all 16 heads. lse [B, N, T] goes back the same way.
+call (parallel.local.attend), and a second all-to-all returns positions 512..767 of all 16
+heads. lse [B, N, T] goes back the same way. With the zigzag or striped layout the gathered
+rows are in layout order; they are put in natural order before the kernel and back after
+it (parallel.plan.natural_order: a local gather, O(T N H / P)), so that each query tile's
+keys are one contiguous range and a causal kernel skips every tile past the diagonal.
 
 Fewer kv heads than devices (K < P, P % K == 0): each kv head is repeated P / K times before
 the all-to-all, so that each device receives the one its query heads use. K = 1, P = 4: kv
@@ -98,11 +100,24 @@ def ulysses_attention_local(q, k, v, q_seg, kv_seg, spec: UlyssesSpec, positions
   def gathered(x):
     return None if x is None else lax.all_gather(x, axis, axis=1, tiled=True)
 
-  def pos(length):
-    if positions is not None:
-      return positions(length)
-    return jnp.asarray(ring_plan.layout_positions(spec.layout, p, length * p).reshape(-1))
-
-  out, lse = local.attend(qh, kh_, vh, pos(q.shape[1]), pos(k.shape[1]), gathered(q_seg),
-                          gathered(kv_seg), spec.local)
+  q_seg, kv_seg = gathered(q_seg), gathered(kv_seg)
+  t, s = qh.shape[1], kh_.shape[1]
+  if positions is not None:
+    q_pos, k_pos = positions(q.shape[1]), positions(k.shape[1])
+  elif spec.layout == "contiguous":
+    q_pos, k_pos = jnp.arange(t, dtype=jnp.int32), jnp.arange(s, dtype=jnp.int32)
+  else:
+    # The gathered rows are in layout order; the kernel runs them in natural order (one
+    # contiguous key range per query tile), and the results go back to layout order.
+    q_order, q_back = ring_plan.natural_order(spec.layout, p, t)
+    k_order, _ = ring_plan.natural_order(spec.layout, p, s)
+    qh = jnp.take(qh, q_order, axis=1)
+    kh_, vh = (jnp.take(x, k_order, axis=1) for x in (kh_, vh))
+    q_seg = None if q_seg is None else jnp.take(q_seg, q_order, axis=1)
+    kv_seg = None if kv_seg is None else jnp.take(kv_seg, k_order, axis=1)
+    q_pos, k_pos = jnp.arange(t, dtype=jnp.int32), jnp.arange(s, dtype=jnp.int32)
+    out, lse = local.attend(qh, kh_, vh, q_pos, k_pos, q_seg, kv_seg, spec.local)
+    out, lse = jnp.take(out, q_back, axis=1), jnp.take(lse, q_back, axis=2)
+    return to_sequence(out, axis), to_sequence(lse, axis, seq_axis=2, head_axis=1)
+  out, lse = local.attend(qh, kh_, vh, q_pos, k_pos, q_seg, kv_seg, spec.local)
   return to_sequence(out, axis), to_sequence(lse, axis, seq_axis=2, head_axis=1)
