@@ -102,9 +102,11 @@ def test_bench_flags_are_checked_in_process():
   good = dict(mode="kernels", seq_lens=["128"], gqa_seq_lens=["128"], ring_sizes=["2"],
               kv_heads=["4", "1"], heads=4, head_dim=32, batch=1, iters=1, warmup=0,
               xla_max_len=0, run_max_len=0, causal=["True", "false"], impls=["ringflash"],
-              out="bench_out", hlo_dir="", layout="zigzag")
+              out="bench_out", hlo_dir="", layout="zigzag", variants=["plain", "mla"],
+              ulysses_size=2)
   bench.check_flags(types.SimpleNamespace(**good))
   for change, flag in [({"ring_sizes": ["0"]}, "--ring_sizes"),
+                       ({"variants": ["plain", "fast"]}, "--variants"),
                        ({"gqa_seq_lens": []}, "--gqa_seq_lens"),
                        ({"warmup": -1}, "--warmup"),
                        ({"batch": 0}, "--batch"),
