@@ -170,7 +170,7 @@ def _dropout(x, rate: float, key):
 
 
 def forward(params: dict, tokens, positions, config: ModelConfig, mesh: Mesh, *,
-            dropout_key=None, backend: str = "auto"):
+            dropout_key=None, backend: str = "auto", return_kv: bool = False):
   """Logits of the next token.
 
   Call inside jit under `jax.set_mesh(mesh)` (or with concrete arrays placed on `mesh`).
@@ -183,28 +183,77 @@ def forward(params: dict, tokens, positions, config: ModelConfig, mesh: Mesh, *,
     mesh: the ("data", "sp") mesh.
     dropout_key: PRNG key for residual dropout; None disables dropout (evaluation).
     backend: ring attention backend.
+    return_kv: also return each layer's keys and values (a prefill for decode_step).
 
   Returns:
-    logits [B, T, V] float32, sharded P("data", "sp", None).
+    logits [B, T, V] float32, sharded P("data", "sp", None); with return_kv, (logits,
+    [(k, v) per layer]), each [B, T, N, Hd] sharded P("data", "sp", None, None).
   """
   # A one-hot matmul rather than a gather: the vocabulary is small, and the product keeps the
   # tokens' sharding without any sharding annotation.
   x = jax.nn.one_hot(tokens, config.vocab_size, dtype=jnp.float32) @ params["embed"]
   layer_keys = (None,) * config.num_layers if dropout_key is None else tuple(
       jax.random.split(dropout_key, 2 * config.num_layers))
+  kvs = []
   for i, layer in enumerate(params["layers"]):
-    h = rms_norm(x, layer["attn_norm"])
-    q = rope(jnp.einsum("btd,dnh->btnh", h, layer["wq"]), positions, config.rope_base)
-    k = rope(jnp.einsum("btd,dnh->btnh", h, layer["wk"]), positions, config.rope_base)
-    v = jnp.einsum("btd,dnh->btnh", h, layer["wv"])
+    q, k, v = _attention_inputs(layer, x, positions, config)
+    kvs.append((k, v))
     a = ringflash.ring_attention(q, k, v, mesh=mesh, axis_name=RING_AXIS, is_causal=True,
                                  backend=backend)
-    x = x + _dropout(jnp.einsum("btnh,nhd->btd", a, layer["wo"]), config.dropout,
-                     None if dropout_key is None else layer_keys[2 * i])
-    h = rms_norm(x, layer["mlp_norm"])
-    m = jax.nn.gelu(h @ layer["w_in"]) @ layer["w_out"]
-    x = x + _dropout(m, config.dropout, None if dropout_key is None else layer_keys[2 * i + 1])
-  return rms_norm(x, params["final_norm"]) @ params["unembed"]
+    x = _block_rest(layer, x, a, config,
+                    None if dropout_key is None else layer_keys[2 * i:2 * i + 2])
+  logits = rms_norm(x, params["final_norm"]) @ params["unembed"]
+  return (logits, kvs) if return_kv else logits
+
+
+def _attention_inputs(layer: dict, x, positions, config: ModelConfig):
+  """q, k (RoPE at `positions`) and v [B, T, N, Hd] of one block's attention."""
+  h = rms_norm(x, layer["attn_norm"])
+  q = rope(jnp.einsum("btd,dnh->btnh", h, layer["wq"]), positions, config.rope_base)
+  k = rope(jnp.einsum("btd,dnh->btnh", h, layer["wk"]), positions, config.rope_base)
+  v = jnp.einsum("btd,dnh->btnh", h, layer["wv"])
+  return q, k, v
+
+
+def _block_rest(layer: dict, x, a, config: ModelConfig, keys=None):
+  """The block after attention: output projection, residual, MLP, residual (dropout with
+  keys = (attention's, MLP's) when given)."""
+  x = x + _dropout(jnp.einsum("btnh,nhd->btd", a, layer["wo"]), config.dropout,
+                   None if keys is None else keys[0])
+  h = rms_norm(x, layer["mlp_norm"])
+  m = jax.nn.gelu(h @ layer["w_in"]) @ layer["w_out"]
+  return x + _dropout(m, config.dropout, None if keys is None else keys[1])
+
+
+def decode_step(params: dict, tokens, caches: list, config: ModelConfig, *,
+                backend: str = "auto"):
+  """Logits of the token after each of t new tokens, attending through a KV cache per layer.
+
+  The new tokens take the positions caches[0].lengths .. + t - 1 (RoPE and masks); each
+  layer appends their keys and values to its cache (ringflash.KVCache, from a prefill with
+  forward(..., return_kv=True)), then attends with ringflash's decode attention: each device
+  attends the cache slots it holds, and one reduction combines them. No dropout.
+
+  Args:
+    params: from init_params.
+    tokens: [B, t] int32 (replicated over "sp", batch as the caches').
+    caches: one ringflash.KVCache per layer.
+    config: the model's shape.
+    backend: decode attention backend.
+
+  Returns:
+    (logits [B, t, V] float32, the caches with the new tokens appended).
+  """
+  t = tokens.shape[1]
+  positions = caches[0].lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+  x = jax.nn.one_hot(tokens, config.vocab_size, dtype=jnp.float32) @ params["embed"]
+  new_caches = []
+  for layer, cache in zip(params["layers"], caches, strict=True):
+    q, k, v = _attention_inputs(layer, x, positions, config)
+    cache = cache.append(k, v)
+    new_caches.append(cache)
+    x = _block_rest(layer, x, cache.attention(q, backend=backend), config)
+  return rms_norm(x, params["final_norm"]) @ params["unembed"], new_caches
 
 
 def answer_loss(logits, targets, weights):

@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "check": ("ringflash.launch.check", "ring attention over all global devices, verified"),
     "launch": ("ringflash.launch.cli", "start a job on local processes or a TPU slice"),
     "train": ("ringflash.launch.train", "long-context language model training"),
+    "generate": ("ringflash.launch.generate", "greedy decoding from a train checkpoint, checked"),
 }
 
 

@@ -22,6 +22,10 @@ Modes (--mode), one module each in this package, sharing the timing harness (har
            per-device lengths in --seq_lens (ascending), causal, K = last --kv_heads; each
            is compiled and its per-device memory (memory_analysis) compared with the
            device's; those that fit and have T <= --run_max_len are also run once, timed.
+  decode   per-token decode attention over a cache of --cache_lens tokens sharded over all
+           devices: ringflash.decode_attention (and through ringflash.KVCache) against
+           all-gathering the cache and rotating it around the ring, in turns; milliseconds
+           per call and memory per device (decode.py).
   features what sinks, soft-cap, MLA head dims (192 / 128) and head dims 80 and 96 cost,
            beside the plain kernel and cuDNN (features.py).
   strategies  every strategy (ring, allgather, ulysses, hybrid, auto) against one device's
@@ -54,7 +58,8 @@ from ringflash.cli.bench import harness
 
 FLAGS = flags.FLAGS
 
-MODES = ("kernels", "features", "virtual", "layouts", "scaling", "longest", "strategies")
+MODES = ("kernels", "features", "virtual", "layouts", "scaling", "longest", "strategies",
+         "decode")
 
 
 def define_flags() -> None:
@@ -86,6 +91,9 @@ def define_flags() -> None:
                        lower_bound=0)
   flags.DEFINE_integer("run_max_len", 1 << 20, "longest: run (not only compile) total "
                        "lengths T up to this")
+  flags.DEFINE_list("cache_lens", ["131072", "524288", "1048576"],
+                    "decode: tokens in the cache (over all devices)")
+  flags.DEFINE_integer("new_tokens", 1, "decode: query tokens t per step")
   flags.DEFINE_list("variants", ["plain", "sinks", "softcap", "mla", "h80", "h96"],
                     "features: the variants to run (plain, sinks, softcap, mla, h80, h96)")
   flags.DEFINE_integer("ulysses_size", 2, "strategies: devices of the hybrid strategy's "
@@ -138,6 +146,9 @@ def check_flags(f) -> None:
   seq_lens = _ints(f, "seq_lens")
   _ints(f, "gqa_seq_lens")
   _ints(f, "ring_sizes")
+  if f.mode == "decode":
+    _at_least(f, "new_tokens", 1)
+    _ints(f, "cache_lens")
   for kh in _ints(f, "kv_heads"):
     if f.heads % kh:
       raise UsageError(f"--kv_heads entries must divide --heads={f.heads} (GQA), got {kh}")

@@ -1,0 +1,295 @@
+"""ringflash.KVCache: a KV cache sharded over the sequence axis, for decode_attention.
+
+Slots, not positions, are what the devices hold. Every row fills its slots in one order, the
+same for all rows: slot counter n (the n-th slot a row fills) is local slot n // P of device
+n mod P, so every device holds the same number of a row's slots, to within one. A prefill of
+T tokens, sharded as the ring computed them, fills local slots 0 .. T/P - 1 of every device
+where it lies: no data moves. Example, P = 4 devices, max_len 32 (8 slots each), prefill of
+T = 8 tokens (contiguous layout): device 1 holds positions 2, 3 in slots 0, 1; used = 8. The
+appended tokens 8, 9, 10, 11, 12 go to devices 0, 1, 2, 3, 0, local slots 2, 2, 2, 2, 3. Device
+1 then holds 2 3 9 and device 0 holds 0 1 8 12.
+
+Since a slot's position is not its index, the cache keeps positions[B, max_len] int32 beside
+K and V (sharded like them; EMPTY = 2**30 marks a free slot, later than any query, so never
+seen): masks are computed from positions, so they stay exact. K and V pass through the
+non-finite guard (kernels/base.py) when they are written, so attention reads them as they are:
+a NaN in a slot a token does not see never reaches it, and no pass over the cache precedes
+each decode step.
+
+A KVCache is a pytree (arrays: k, v, positions, lengths, used; static: mesh, axis_name,
+batch_axis): pass it through jit and donate it (`jax.jit(step, donate_argnums=...)`); prefill
+and append update its arrays in place.
+"""
+
+# The validation helpers of ringflash/_validate.py and api.py are shared within ringflash/.
+# pylint: disable=protected-access
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ringflash import _validate
+from ringflash import api
+from ringflash import decode
+from ringflash.parallel import decode as decode_parallel
+from ringflash.parallel import plan as ring_plan
+
+EMPTY = decode_parallel.EMPTY
+
+
+@jax.tree_util.register_pytree_node_class
+class KVCache:
+  """A sequence-sharded KV cache: create, prefill, append, attention.
+
+  Attributes:
+    k: [B, max_len, K, H], v: [B, max_len, K, Hv]: sequence sharded over axis_name (batch
+      over batch_axis, if any).
+    positions: [B, max_len] int32 the position of each slot's token, EMPTY if free.
+    lengths: [B] int32 tokens of each row (the position the next token gets).
+    used: [B] int32 slots each row has filled (its next slot counter).
+    mesh, axis_name, batch_axis: where it lives (static).
+  """
+
+  def __init__(self, k, v, positions, lengths, used, *, mesh: Mesh, axis_name="sp",
+               batch_axis=None):
+    self.k, self.v, self.positions, self.lengths, self.used = k, v, positions, lengths, used
+    self.mesh, self.axis_name, self.batch_axis = mesh, axis_name, batch_axis
+
+  def tree_flatten(self):
+    return ((self.k, self.v, self.positions, self.lengths, self.used),
+            (self.mesh, self.axis_name, self.batch_axis))
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    mesh, axis_name, batch_axis = aux
+    return cls(*children, mesh=mesh, axis_name=axis_name, batch_axis=batch_axis)
+
+  def __repr__(self):
+    return (f"KVCache(k={getattr(self.k, 'shape', None)}, v={getattr(self.v, 'shape', None)}, "
+            f"axis_name={self.axis_name!r}, batch_axis={self.batch_axis!r})")
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def ring_size(self) -> int:
+    return _ring_size(self.mesh, self.axis_name)
+
+  @classmethod
+  def create(cls, batch: int, max_len: int, kv_heads: int, head_dim: int, *, mesh: Mesh,
+             axis_name="sp", dtype=jnp.bfloat16, value_head_dim: int | None = None,
+             batch_axis=None) -> "KVCache":
+    """An empty cache (every slot free, every length 0), placed on the mesh.
+
+    Args:
+      batch: B. max_len: slots per row, divisible by the devices of axis_name.
+      kv_heads: K. head_dim: H. value_head_dim: Hv (default H).
+      mesh: the device mesh. axis_name: the mesh axis (or tuple) the sequence is sharded
+        over. batch_axis: None, or the mesh axis (or tuple) the batch is sharded over.
+      dtype: of K and V (float32, bfloat16 or float16).
+
+    Raises:
+      ValueError: naming the argument.
+    """
+    if not isinstance(mesh, Mesh):
+      raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    axis_name = api._frozen(axis_name)
+    batch_axis = api._frozen(batch_axis)
+    p = _ring_size(mesh, axis_name)
+    hv = head_dim if value_head_dim is None else value_head_dim
+    for name, value in (("batch", batch), ("max_len", max_len), ("kv_heads", kv_heads),
+                        ("head_dim", head_dim), ("value_head_dim", hv)):
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if max_len % p:
+      raise ValueError(f"max_len={max_len} must be divisible by the {p} devices of axis_name "
+                       f"{axis_name!r}")
+    if max_len >= EMPTY:
+      raise ValueError(f"max_len={max_len} must be below {EMPTY}")
+    if jnp.dtype(dtype) not in _validate._FLOAT_DTYPES:
+      raise ValueError(f"dtype must be float32, bfloat16 or float16, got {jnp.dtype(dtype)}")
+    if batch_axis is not None:
+      names = (batch_axis,) if isinstance(batch_axis, str) else batch_axis
+      seq = (axis_name,) if isinstance(axis_name, str) else axis_name
+      if not all(isinstance(a, str) and a in mesh.shape and a not in seq for a in names):
+        raise ValueError(f"batch_axis must be None or mesh axes other than axis_name, got "
+                         f"{batch_axis!r}; the mesh's axes are {tuple(mesh.shape)}")
+      size = int(np.prod([mesh.shape[a] for a in names]))
+      if batch % size:
+        raise ValueError(f"batch={batch} must be divisible by the {size} devices of "
+                         f"batch_axis {batch_axis!r}")
+    shard = _Shardings(mesh, axis_name, batch_axis)
+
+    def make():
+      return (jnp.zeros((batch, max_len, kv_heads, head_dim), dtype),
+              jnp.zeros((batch, max_len, kv_heads, hv), dtype),
+              jnp.full((batch, max_len), EMPTY, jnp.int32),
+              jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+    arrays = jax.jit(make, out_shardings=(shard.seq, shard.seq, shard.slots, shard.rows,
+                                          shard.rows))()
+    return cls(*arrays, mesh=mesh, axis_name=axis_name, batch_axis=batch_axis)
+
+  def prefill(self, k, v, lengths=None, *, layout: str = "contiguous") -> "KVCache":
+    """The cache holding a prompt's K/V as the ring computed them (any earlier content is
+    dropped): device i's shard of k, v goes into its own first slots, where it lies.
+
+    Args:
+      k: [B, T, K, H], v: [B, T, K, Hv], the sequence sharded over axis_name in `layout`
+        (ring_attention's inputs and outputs are); T <= max_len, divisible by the ring (twice
+        for zigzag). Cast to the cache's dtype.
+      lengths: None (every row has T tokens) or [B] int: tokens of each row (a padded
+        batch); slots at or past a row's length stay free. Values above T count as T.
+      layout: "contiguous", "zigzag" or "striped": which positions device i's rows are.
+
+    Returns:
+      The new cache: lengths as given, T slots used per row.
+
+    Raises:
+      ValueError: naming the argument.
+    """
+    b, _, kh, h = self.k.shape
+    hv = self.v.shape[-1]
+    (ks, kd), (vs, vd) = _validate._shape(k, "k"), _validate._shape(v, "v")
+    if len(ks) != 4 or ks[0] != b or ks[2:] != (kh, h):
+      raise ValueError(f"k must have shape [B, T, K, H] = [{b}, T, {kh}, {h}], got {ks}")
+    t = ks[1]
+    if vs != (b, t, kh, hv):
+      raise ValueError(f"v must have shape [B, T, K, Hv] = {(b, t, kh, hv)}, got {vs}")
+    for name, dtype in (("k", kd), ("v", vd)):
+      if dtype not in _validate._FLOAT_DTYPES:
+        raise ValueError(f"{name}.dtype must be float32, bfloat16 or float16, got {dtype}")
+    if t > self.max_len:
+      raise ValueError(f"k holds T={t} tokens, more than the cache's max_len={self.max_len}")
+    p = self.ring_size
+    ring_plan.check_layout(layout, p, t)
+    if lengths is None:
+      lengths = jnp.full((b,), t, jnp.int32)
+    else:
+      shape, dtype = _validate._shape(lengths, "lengths")
+      if shape != (b,) or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"lengths must be a [B] = ({b},) integer array, got {shape} {dtype}")
+    fn = _prefill_program(self.mesh, self.axis_name, self.batch_axis, layout, t)
+    return fn(self, k, v, lengths)
+
+  def append(self, k_new, v_new) -> "KVCache":
+    """The cache with t new tokens per row at positions lengths .. lengths + t - 1, each in
+    the next slot of the row's order (device n mod P, local slot n // P for counter n).
+
+    Args:
+      k_new: [B, t, K, H], v_new: [B, t, K, Hv] (replicated over axis_name); cast to the
+        cache's dtype.
+
+    Returns:
+      The new cache: lengths and used grown by t.
+
+    Raises:
+      ValueError: naming the argument; also, outside jit, when a row would fill more than
+        max_len slots. Inside jit that cannot be seen: tokens past the capacity are not
+        written (the caller sizes the cache).
+    """
+    b, _, kh, h = self.k.shape
+    hv = self.v.shape[-1]
+    (ks, kd), (vs, vd) = (_validate._shape(k_new, "k_new"),
+                          _validate._shape(v_new, "v_new"))
+    if len(ks) != 4 or ks[0] != b or ks[2:] != (kh, h) or ks[1] < 1:
+      raise ValueError(f"k_new must have shape [B, t, K, H] = [{b}, t, {kh}, {h}], got {ks}")
+    t = ks[1]
+    if vs != (b, t, kh, hv):
+      raise ValueError(f"v_new must have shape [B, t, K, Hv] = {(b, t, kh, hv)}, got {vs}")
+    for name, dtype in (("k_new", kd), ("v_new", vd)):
+      if dtype not in _validate._FLOAT_DTYPES:
+        raise ValueError(f"{name}.dtype must be float32, bfloat16 or float16, got {dtype}")
+    if not isinstance(self.used, jax.core.Tracer):
+      most = int(np.max(np.asarray(jax.device_get(self.used))))
+      if most + t > self.max_len:
+        raise ValueError(f"appending t={t} tokens overflows the cache: a row has {most} of "
+                         f"its max_len={self.max_len} slots filled")
+    fn = _append_program(self.mesh, self.axis_name, self.batch_axis)
+    return fn(self, k_new, v_new)
+
+  def attention(self, query, *, scale: float | None = None, sinks=None,
+                logits_soft_cap: float | None = None, local_window_size=None,
+                backend: str = "auto", block_sizes=None, return_residual: bool = False,
+                strategy: str = "reduce"):
+    """decode_attention of query [B, t, N, H] (its t tokens the last t appended) against
+    this cache; the options as decode_attention's. K/V were guarded when written, so no
+    pass over the cache precedes the kernels.
+
+    Returns:
+      out [B, t, N, Hv] in query's dtype (and lse [B, N, t] with return_residual).
+    """
+    options = decode._Options(
+        axis_name=self.axis_name, scale=scale, logits_soft_cap=logits_soft_cap,
+        local_window_size=api._frozen(local_window_size),
+        backend=backend, block_sizes=block_sizes, return_residual=return_residual,
+        strategy=strategy, guarded=True)
+    return decode.run(query, self.k, self.v, self.lengths, self.positions, sinks,
+                      mesh=self.mesh, options=options, batch_axis=self.batch_axis)
+
+
+def _ring_size(mesh: Mesh, axis_name) -> int:
+  return api._seq_axes(mesh.shape, axis_name).size
+
+
+class _Shardings:
+  """The cache's shardings: K/V and positions sequence-sharded, per-row arrays by batch."""
+
+  def __init__(self, mesh: Mesh, axis_name, batch_axis):
+    self.seq_spec = P(batch_axis, axis_name, None, None)
+    self.slot_spec = P(batch_axis, axis_name)
+    self.row_spec = P(batch_axis)
+    self.seq = NamedSharding(mesh, self.seq_spec)
+    self.slots = NamedSharding(mesh, self.slot_spec)
+    self.rows = NamedSharding(mesh, self.row_spec)
+
+
+@functools.lru_cache(maxsize=32)
+def _prefill_program(mesh: Mesh, axis_name, batch_axis, layout: str, t: int):
+  shard = _Shardings(mesh, axis_name, batch_axis)
+  p = _ring_size(mesh, axis_name)
+  body = functools.partial(decode_parallel.prefill_local, axis_name=axis_name, size=p,
+                           layout=layout)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(shard.seq_spec,) * 4 + (shard.row_spec,),
+                     out_specs=(shard.seq_spec, shard.seq_spec, shard.slot_spec))
+
+  def prefill(cache: KVCache, k, v, lengths):
+    lengths = jnp.minimum(jnp.asarray(lengths).astype(jnp.int32), t)
+    args = (cache.k, cache.v, k, v, lengths)
+    specs = (shard.seq_spec,) * 4 + (shard.row_spec,)
+    ck, cv, positions = fn(*(decode.place(x, mesh, s) for x, s in zip(args, specs)))
+    used = jnp.full(cache.used.shape, t, jnp.int32)
+    return KVCache(ck, cv, positions, lengths, used, mesh=mesh, axis_name=axis_name,
+                   batch_axis=batch_axis)
+
+  return jax.jit(prefill)
+
+
+@functools.lru_cache(maxsize=32)
+def _append_program(mesh: Mesh, axis_name, batch_axis):
+  shard = _Shardings(mesh, axis_name, batch_axis)
+  p = _ring_size(mesh, axis_name)
+  body = functools.partial(decode_parallel.append_local, axis_name=axis_name, size=p)
+  new_spec = P(batch_axis, None, None, None)
+  fn = jax.shard_map(body, mesh=mesh,
+                     in_specs=(shard.seq_spec, shard.seq_spec, shard.slot_spec,
+                               shard.row_spec, shard.row_spec, new_spec, new_spec),
+                     out_specs=(shard.seq_spec, shard.seq_spec, shard.slot_spec))
+
+  def append(cache: KVCache, k_new, v_new):
+    t = k_new.shape[1]
+    args = (cache.k, cache.v, cache.positions, cache.lengths, cache.used, k_new, v_new)
+    specs = (shard.seq_spec, shard.seq_spec, shard.slot_spec, shard.row_spec, shard.row_spec,
+             new_spec, new_spec)
+    ck, cv, positions = fn(*(decode.place(x, mesh, s) for x, s in zip(args, specs)))
+    return KVCache(ck, cv, positions, cache.lengths + t, cache.used + t, mesh=mesh,
+                   axis_name=axis_name, batch_axis=batch_axis)
+
+  return jax.jit(append)

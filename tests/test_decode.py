@@ -1,0 +1,374 @@
+"""Decode attention over a sequence-sharded KV cache, and ringflash.KVCache, against the dense
+oracle (tests/oracle.py) on CPU meshes of 1, 2, 4 and 8 devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import helpers
+import oracle
+import ringflash
+from ringflash.kvcache import EMPTY
+
+
+def _inputs(seed, b, t, s, n, k, h, hv=None, dtype=jnp.float32):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(kq, (b, t, n, h), jnp.float32).astype(dtype)
+  key = jax.random.normal(kk, (b, s, k, h), jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, (b, s, k, hv or h), jnp.float32).astype(dtype)
+  return q, key, v
+
+
+def _sharded(mesh, *arrays):
+  seq = NamedSharding(mesh, P(None, "sp"))
+  return [jax.device_put(x, seq) for x in arrays]
+
+
+def _reference(q, k, v, lengths, *, positions=None, window=None, softcap=None, sinks=None,
+               scale=None):
+  """The oracle, row by row: the t new tokens of row b at lengths[b] - t .., keys at their
+  positions (default: slot index), unseen past the row's length (causal)."""
+  t, s = q.shape[1], k.shape[1]
+  outs, lses = [], []
+  for b, length in enumerate(np.asarray(lengths)):
+    kv_pos = np.arange(s) if positions is None else np.asarray(positions)[b]
+    o, lse = oracle.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal=True, scale=scale,
+                              q_pos=jnp.arange(length - t, length), kv_pos=kv_pos,
+                              window=window, softcap=softcap, sinks=sinks)
+    outs.append(o)
+    lses.append(lse)
+  return jnp.concatenate(outs), jnp.concatenate(lses)
+
+
+def _close(got, ref):
+  for g, r in zip(got, ref):
+    assert helpers.max_err(g, r) <= helpers.fp32_tol(r), helpers.max_err(g, r)
+
+
+# (N, K, t, window, soft-cap, sinks): MHA, GQA with t > 1 (band calls), MQA with a soft-cap.
+CASES = {"mha": (2, 2, 1, None, None, False),
+         "gqa_window_sinks": (4, 2, 3, 5, None, True),
+         "mqa_softcap": (4, 1, 2, None, 20.0, False)}
+
+
+@pytest.mark.parametrize("ring", [1, 2, 4, 8])
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_matches_the_oracle(ring, case):
+  """Rows of lengths t (one device holds keys, the others are empty), 37 and 64 (full)."""
+  n, k, t, window, softcap, with_sinks = CASES[case]
+  mesh = helpers.mesh_of(ring)
+  q, key, v = _inputs(0, 3, t, 64, n, k, 16)
+  lengths = jnp.array([t, 37, 64], jnp.int32)
+  sinks = jnp.linspace(-1.0, 1.0, n) if with_sinks else None
+  key_s, v_s = _sharded(mesh, key, v)
+  got = ringflash.decode_attention(q, key_s, v_s, cache_lengths=lengths, mesh=mesh,
+                                   local_window_size=window, logits_soft_cap=softcap,
+                                   sinks=sinks, return_residual=True)
+  _close(got, _reference(q, key, v, lengths, window=window, softcap=softcap, sinks=sinks))
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+def test_baseline_strategies_match_the_oracle(strategy):
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(1, 2, 3, 64, 4, 2, 16)
+  lengths = jnp.array([9, 50], jnp.int32)
+  got = ringflash.decode_attention(q, *_sharded(mesh, key, v), cache_lengths=lengths,
+                                   mesh=mesh, local_window_size=6, strategy=strategy,
+                                   return_residual=True)
+  _close(got, _reference(q, key, v, lengths, window=6))
+
+
+@pytest.mark.parametrize("ring", [1, 4])
+def test_pallas_tpu_backend_interpreted(ring):
+  mesh = helpers.mesh_of(ring)
+  q, key, v = _inputs(2, 2, 2, 512, 4, 2, 32)
+  lengths = jnp.array([2, 300], jnp.int32)
+  sinks = jnp.array([0.5, -1.0, 0.0, 2.0])
+  got = ringflash.decode_attention(q, *_sharded(mesh, key, v), cache_lengths=lengths,
+                                   mesh=mesh, backend="pallas_tpu", local_window_size=100,
+                                   logits_soft_cap=30.0, sinks=sinks, return_residual=True)
+  _close(got, _reference(q, key, v, lengths, window=100, softcap=30.0, sinks=sinks))
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_split_kv_runs_merge_exactly(t, monkeypatch):
+  """Split-KV (GPUs): each device's 512 slots as 4 runs of 128, merged by their LSE; forced
+  here on CPU devices. Row 0 has keys in one run of one device only."""
+  from ringflash import decode as decode_api
+  from ringflash.parallel import decode as decode_parallel
+  monkeypatch.setattr(decode_parallel, "split_count", lambda *args: 4)
+  decode_api._program.cache_clear()          # programs compiled without the split
+  mesh = helpers.mesh_of(2)
+  q, key, v = _inputs(13, 2, t, 1024, 4, 2, 16)
+  lengths = jnp.array([t + 2, 700], jnp.int32)
+  try:
+    got = ringflash.decode_attention(q, *_sharded(mesh, key, v), cache_lengths=lengths,
+                                     mesh=mesh, local_window_size=300, return_residual=True)
+  finally:
+    decode_api._program.cache_clear()
+  _close(got, _reference(q, key, v, lengths, window=300))
+
+
+def test_split_kv_fills_a_gpu_twice_over():
+  from ringflash.parallel.decode import split_count
+  assert split_count("gpu", 132, 4, 524288) == 64         # runs of 8192 keys
+  assert split_count("gpu", 132, 16, 524288) == 16
+  assert split_count("gpu", 132, 4, 2048) == 2            # runs of at least 1024 keys
+  assert split_count("gpu", 132, 4, 1000) == 1            # not whole tiles of 128
+  assert split_count("gpu", 132, 512, 524288) == 1        # enough tiles already
+  assert split_count("cpu", None, 4, 524288) == 1
+
+
+def test_bfloat16_within_twice_the_error_of_plain_bf16():
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(3, 2, 1, 256, 4, 2, 32, dtype=jnp.bfloat16)
+  lengths = jnp.array([100, 256], jnp.int32)
+  got = ringflash.decode_attention(q, *_sharded(mesh, key, v), cache_lengths=lengths,
+                                   mesh=mesh)
+  ref, _ = _reference(q, key, v, lengths)
+  plain = jnp.concatenate([oracle.attention(
+      q[b:b + 1], key[b:b + 1], v[b:b + 1], causal=True, upcast=False,
+      q_pos=jnp.arange(n - 1, n))[0] for b, n in enumerate(np.asarray(lengths))])
+  assert got.dtype == jnp.bfloat16
+  assert helpers.max_err(got, ref) <= 2 * helpers.max_err(plain, ref)
+
+
+def test_rows_without_a_key_give_zero():
+  """Length 0 (queries at negative positions) and a window that reaches no key: no device
+  holds a key of the row: output 0, lse -inf, no NaN."""
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(4, 2, 1, 32, 2, 1, 8)
+  out, lse = ringflash.decode_attention(q, *_sharded(mesh, key, v),
+                                        cache_lengths=jnp.array([0, 20], jnp.int32),
+                                        mesh=mesh, return_residual=True)
+  assert bool(jnp.all(out[0] == 0)) and bool(jnp.all(lse[0] == -jnp.inf))
+  assert bool(jnp.all(jnp.isfinite(out[1])))
+
+
+def test_non_finite_in_an_unseen_slot_never_reaches_a_token():
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(5, 2, 1, 64, 4, 2, 16)
+  lengths = jnp.array([30, 64], jnp.int32)
+  ref = _reference(q, key, v, lengths, window=8)
+  # Row 0: NaN past its length (slot 40, another device's) and before its window (slot 5);
+  # an Inf value in row 1 before its window.
+  bad_k = key.at[0, 40].set(jnp.nan).at[0, 5, 1].set(jnp.nan)
+  bad_v = v.at[0, 40].set(jnp.nan).at[1, 10, 0].set(jnp.inf)
+  got = ringflash.decode_attention(q, *_sharded(mesh, bad_k, bad_v), cache_lengths=lengths,
+                                   mesh=mesh, local_window_size=8, return_residual=True)
+  _close(got, ref)
+  # A NaN value in a slot row 0 sees: the query heads of that kv head (1: heads 2, 3) turn
+  # NaN, the others and row 1 do not.
+  seen = ringflash.decode_attention(q, *_sharded(mesh, key, v.at[0, 27, 1, 3].set(jnp.nan)),
+                                    cache_lengths=lengths, mesh=mesh, local_window_size=8)
+  assert bool(jnp.all(jnp.isnan(seen[0, :, 2:]))) and bool(jnp.all(jnp.isfinite(seen[0, :, :2])))
+  assert bool(jnp.all(jnp.isfinite(seen[1])))
+
+
+def _collectives(text):
+  return re.findall(r"\b(all-gather|all-to-all|all-reduce|reduce-scatter|"
+                    r"collective-permute)(?:-start)?\(", text)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_the_cache_never_moves_one_max_and_one_sum(t):
+  """The compiled program of the "reduce" strategy: no all-gather, all-to-all or permute of
+  the cache; two all-reduces (the max of lse, the sum of weighted outputs and weights), each
+  of [B, t, N] or [B, t, N, Hv + 1] floats."""
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(6, 2, t, 256, 4, 2, 16)
+  key, v = _sharded(mesh, key, v)
+  lengths = jnp.array([100, 256], jnp.int32)
+  fn = jax.jit(lambda q, k, v, n: ringflash.decode_attention(q, k, v, cache_lengths=n,
+                                                              mesh=mesh))
+  text = fn.lower(q, key, v, lengths).compile().as_text()
+  assert sorted(_collectives(text)) == ["all-reduce", "all-reduce"], _collectives(text)
+  gather = jax.jit(lambda q, k, v, n: ringflash.decode_attention(
+      q, k, v, cache_lengths=n, mesh=mesh, strategy="ring")).lower(q, key, v, lengths)
+  assert "collective-permute" in set(_collectives(gather.compile().as_text()))
+
+
+# ----------------------------------------------------------------------------------- KVCache
+
+
+def _new_tokens(x, lengths, t):
+  return jnp.stack([x[b, n:n + t] for b, n in enumerate(np.asarray(lengths))])
+
+
+@pytest.mark.parametrize("ring", [2, 8])
+def test_cache_prefill_and_appends_under_jit_with_donation(ring):
+  """Prefill 16 tokens (row 1 holds 13: a padded batch), then appends of 1 and 3 tokens in a
+  jitted, donating step; after each, attention equals the oracle on the same tokens, and
+  every device holds as many of row 0's slots as the others, to within one."""
+  mesh = helpers.mesh_of(ring)
+  n, k, h, t0, s_max = 4, 2, 16, 16, 48
+  q, key, v = _inputs(7, 2, 28, 28, n, k, h)
+  cache = ringflash.KVCache.create(2, s_max, k, h, mesh=mesh, dtype=jnp.float32)
+  cache = cache.prefill(*_sharded(mesh, key[:, :t0], v[:, :t0]), jnp.array([t0, t0 - 3]))
+
+  @jax.jit
+  def attend(c, q):
+    return c.attention(q, local_window_size=6, return_residual=True)
+
+  step = jax.jit(lambda c, kn, vn: c.append(kn, vn), donate_argnums=0)
+  lengths = np.array([t0, t0 - 3])
+  for t in (1, 3):
+    before = cache.k
+    cache = step(cache, _new_tokens(key, lengths, t), _new_tokens(v, lengths, t))
+    assert before.is_deleted()                          # donated: updated in place
+    lengths = lengths + t
+    qn = _new_tokens(q, lengths - t, t)
+    ref = _reference(qn, key[:, :lengths.max()], v[:, :lengths.max()], lengths, window=6)
+    _close(attend(cache, qn), ref)
+  np.testing.assert_array_equal(cache.lengths, lengths)
+  filled = np.sum(np.asarray(cache.positions)[0].reshape(ring, -1) != EMPTY, axis=1)
+  assert filled.max() - filled.min() <= 1, filled
+
+
+def test_cache_positions_follow_the_slot_order():
+  """P = 4, prefill of 8 tokens: device 1 holds 2, 3; tokens 8..12 go to devices 0, 1, 2, 3, 0
+  (the worked example of ringflash/kvcache.py)."""
+  mesh = helpers.mesh_of(4)
+  _, key, v = _inputs(8, 1, 1, 13, 2, 1, 8)
+  cache = ringflash.KVCache.create(1, 32, 1, 8, mesh=mesh, dtype=jnp.float32)
+  cache = cache.prefill(*_sharded(mesh, key[:, :8], v[:, :8]))
+  for i in range(8, 13):
+    cache = cache.append(key[:, i:i + 1], v[:, i:i + 1])
+  per_device = np.asarray(cache.positions)[0].reshape(4, 8)
+  np.testing.assert_array_equal(per_device[:, :4], [[0, 1, 8, 12], [2, 3, 9, EMPTY],
+                                                    [4, 5, 10, EMPTY], [6, 7, 11, EMPTY]])
+  np.testing.assert_array_equal(np.asarray(cache.k)[0].reshape(4, 8, 1, 8)[1, 2], key[0, 9])
+
+
+def test_cache_prefill_in_the_zigzag_layout():
+  mesh = helpers.mesh_of(2)
+  q, key, v = _inputs(9, 1, 10, 10, 2, 2, 8)
+  zig = [ringflash.to_layout(x, "zigzag", 2) for x in (key[:, :8], v[:, :8])]
+  cache = ringflash.KVCache.create(1, 16, 2, 8, mesh=mesh, dtype=jnp.float32)
+  cache = cache.prefill(*_sharded(mesh, *zig), layout="zigzag")
+  cache = cache.append(key[:, 8:10], v[:, 8:10])
+  got = cache.attention(q[:, 8:10], return_residual=True)
+  _close(got, _reference(q[:, 8:10], key, v, jnp.array([10])))
+
+
+def test_cache_nan_written_in_a_slot_is_seen_only_by_who_sees_the_slot():
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(10, 1, 12, 12, 2, 1, 8)
+  cache = ringflash.KVCache.create(1, 16, 1, 8, mesh=mesh, dtype=jnp.float32)
+  cache = cache.prefill(*_sharded(mesh, key[:, :8], v[:, :8].at[0, 2].set(jnp.nan)))
+  cache = cache.append(key[:, 8:9], v[:, 8:9])
+  clean = cache.attention(q[:, 8:9], local_window_size=4, return_residual=True)  # keys 4..8
+  _close(clean, _reference(q[:, 8:9], key[:, :9], v[:, :9], jnp.array([9]), window=4))
+  assert bool(jnp.all(jnp.isnan(cache.attention(q[:, 8:9]))))                 # sees key 2
+
+
+def test_cache_checks_its_arguments():
+  mesh = helpers.mesh_of(4)
+  with pytest.raises(ValueError, match="max_len"):
+    ringflash.KVCache.create(1, 30, 1, 8, mesh=mesh)
+  with pytest.raises(ValueError, match="batch_axis"):
+    ringflash.KVCache.create(1, 32, 1, 8, mesh=mesh, batch_axis="sp")
+  cache = ringflash.KVCache.create(1, 16, 1, 8, mesh=mesh, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="more than the cache"):
+    cache.prefill(jnp.zeros((1, 20, 1, 8)), jnp.zeros((1, 20, 1, 8)))
+  with pytest.raises(ValueError, match="k must have shape"):
+    cache.prefill(jnp.zeros((1, 8, 2, 8)), jnp.zeros((1, 8, 2, 8)))
+  with pytest.raises(ValueError, match="layout"):
+    cache.prefill(jnp.zeros((1, 12, 1, 8)), jnp.zeros((1, 12, 1, 8)), layout="zigzag")
+  full = cache.prefill(jnp.zeros((1, 16, 1, 8)), jnp.zeros((1, 16, 1, 8)))
+  with pytest.raises(ValueError, match="overflows the cache"):
+    full.append(jnp.zeros((1, 1, 1, 8)), jnp.zeros((1, 1, 1, 8)))
+
+
+# -------------------------------------------------------------------------------- errors
+
+
+def _call(**change):
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(11, 2, 1, 32, 4, 2, 8)
+  args = dict(query=q, key_cache=key, value_cache=v, cache_lengths=jnp.array([3, 32]),
+              mesh=mesh)
+  args.update(change)
+  return ringflash.decode_attention(args.pop("query"), args.pop("key_cache"),
+                                    args.pop("value_cache"), **args)
+
+
+@pytest.mark.parametrize("change,names", [
+    ({"query": jnp.zeros((2, 4, 8))}, "query must have rank 4"),
+    ({"query": jnp.zeros((2, 1, 4, 8), jnp.bfloat16)}, "share a dtype"),
+    ({"query": jnp.zeros((2, 1, 3, 8))}, "multiple of key_cache heads"),
+    ({"query": jnp.zeros((3, 1, 4, 8))}, "batch"),
+    ({"query": jnp.zeros((2, 1, 4, 16))}, "head_dim"),
+    ({"query": jnp.zeros((2, 40, 4, 8))}, "more than the cache holds"),
+    ({"key_cache": jnp.zeros((2, 30, 2, 8)), "value_cache": jnp.zeros((2, 30, 2, 8))},
+     "S_max=30 must be divisible by the 4 devices"),
+    ({"value_cache": jnp.zeros((2, 32, 1, 8))}, "value_cache must have key_cache's shape"),
+    ({"cache_lengths": jnp.array([3])}, "cache_lengths must have shape"),
+    ({"cache_lengths": jnp.array([3.0, 4.0])}, "cache_lengths must have an integer dtype"),
+    ({"cache_lengths": [3, 32]}, "cache_lengths must be an array"),
+    ({"cache_positions": jnp.zeros((2, 16), jnp.int32)}, "cache_positions must have shape"),
+    ({"sinks": jnp.zeros((2,))}, "sinks must have shape"),
+    ({"scale": -1.0}, "scale must be finite and > 0"),
+    ({"logits_soft_cap": 0.0}, "logits_soft_cap must be finite and > 0"),
+    ({"local_window_size": -1}, "local_window_size must be non-negative"),
+    ({"backend": "cuda"}, "backend must be one of"),
+    ({"strategy": "tree"}, "strategy must be one of"),
+    ({"return_residual": "yes"}, "return_residual must be a bool"),
+    ({"mesh": None}, "mesh must be a jax.sharding.Mesh"),
+    ({"axis_name": "x"}, "axis_name"),
+])
+def test_a_bad_argument_is_a_value_error_naming_it(change, names):
+  with pytest.raises(ValueError, match=re.escape(names)):
+    _call(**change)
+
+
+def test_a_named_backend_never_falls_back():
+  with pytest.raises(NotImplementedError, match="pallas_gpu"):
+    _call(backend="pallas_gpu")
+
+
+def test_decoding_is_forward_only():
+  mesh = helpers.mesh_of(2)
+  q, key, v = _inputs(12, 1, 1, 16, 2, 1, 8)
+  lengths = jnp.array([9])
+
+  def f(q):
+    return jnp.sum(ringflash.decode_attention(q, key, v, cache_lengths=lengths, mesh=mesh))
+
+  with pytest.raises(NotImplementedError, match="forward only"):
+    jax.grad(f)(q)
+  with pytest.raises(NotImplementedError, match="forward only"):
+    jax.jvp(f, (q,), (q,))
+
+
+# --------------------------------------------------------------------------------- bench
+
+
+def test_bench_decode_mode_runs_at_tiny_sizes(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", RINGFLASH_DEVICES_PER_PROCESS="2")
+  cmd = [sys.executable, "-m", "ringflash.cli", "bench", "--mode=decode",
+         "--cache_lens=256,512", "--heads=2", "--kv_heads=1", "--head_dim=16", "--warmup=0",
+         "--iters=2", f"--out={tmp_path}"]
+  done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  rows = json.load(open(tmp_path / "bench_decode.json"))["rows"]
+  assert [(r["S"], r["P"], r["S_local"]) for r in rows] == [(256, 2, 128), (512, 2, 256)]
+  for r in rows:
+    assert all(r[f"{name}_ms"] > 0 and r[f"{name}_bytes"] > 0
+               for name in ("reduce", "cache", "allgather", "ring"))
+    # the gathered cache is temporary memory only all-gather needs
+    assert r["allgather_temp_bytes"] > r["cache_temp_bytes"]
+  bad = subprocess.run(cmd[:5] + ["--cache_lens=255"], env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert bad.returncode == 2 and "--cache_lens" in bad.stderr and "Traceback" not in bad.stderr
