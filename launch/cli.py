@@ -54,7 +54,7 @@ def define_flags() -> None:
                     "local: cpu (simulated devices, gloo) or gpu (M of this machine's GPUs "
                     "per process, NCCL)")
   flags.DEFINE_float(
-      "stop_timeout_s", 60.0, "local: once a process is lost, the others get SIGTERM, and "
+      "stop_timeout_s", 10.0, "local: once a process is lost, the others get SIGTERM, and "
       "SIGKILL if still alive this many seconds later", lower_bound=0.0)
   flags.DEFINE_float("timeout_s", 0.0, "local: stop the whole job after this many "
                      "seconds (a failure); 0: no limit", lower_bound=0.0)

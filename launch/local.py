@@ -103,7 +103,7 @@ def describe_exit(returncode: int | None) -> str:
 
 
 def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_dir: str,
-           stop_timeout_s: float = 60.0, init_timeout_s: int = 300,
+           stop_timeout_s: float = 10.0, init_timeout_s: int = 300,
            timeout_s: float | None = None, port: int | None = None,
            python: str = sys.executable, terminal: TextIO = sys.stdout,
            platform: str = "cpu") -> int:
