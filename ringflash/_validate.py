@@ -26,7 +26,7 @@ from ringflash.parallel.local import LocalSpec
 from ringflash.parallel.plan import RingSpec
 from ringflash.parallel.ulysses import UlyssesSpec
 
-_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 STRATEGIES = ("auto", "ring", "allgather", "ulysses", "hybrid")
 
 
@@ -84,7 +84,7 @@ def check_flag(name: str, value) -> bool:
   return bool(value)
 
 
-def _shape(x, name):
+def array_shape(x, name):
   shape = getattr(x, "shape", None)
   dtype = getattr(x, "dtype", None)
   if shape is None or dtype is None:
@@ -92,7 +92,7 @@ def _shape(x, name):
   return tuple(shape), jnp.dtype(dtype)
 
 
-def _positive_number(name, value):
+def positive_number(name, value):
   if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
     raise ValueError(f"{name} must be a Python number, got {type(value).__name__}")
   value = float(value)
@@ -132,15 +132,15 @@ def check_call(query, key, value, *, segment_ids=None, scale=None, backend="auto
   for name, flag in (("is_causal", is_causal), ("return_residual", return_residual),
                      ("bidirectional", bidirectional)):
     check_flag(name, flag)
-  (qs, qd), (ks, kd), (vs, vd) = (_shape(query, "query"), _shape(key, "key"),
-                                  _shape(value, "value"))
+  (qs, qd), (ks, kd), (vs, vd) = (array_shape(query, "query"), array_shape(key, "key"),
+                                  array_shape(value, "value"))
   if len(qs) < 3:
     raise ValueError(f"query must have rank >= 3 [..., T, N, H], got shape {qs}")
   for name, shape, form in (("key", ks, "[..., S, K, H]"), ("value", vs, "[..., S, K, Hv]")):
     if len(shape) != len(qs):
       raise ValueError(f"{name} must have query's rank {len(qs)} {form}, got shape {shape}")
   for name, dtype in (("query", qd), ("key", kd), ("value", vd)):
-    if dtype not in _FLOAT_DTYPES:
+    if dtype not in FLOAT_DTYPES:
       raise ValueError(f"{name}.dtype must be float32, bfloat16 or float16, got {dtype}")
   if kd != qd or vd != qd:
     raise ValueError(f"query, key and value must share a dtype, got query={qd}, key={kd}, "
@@ -161,26 +161,20 @@ def check_call(query, key, value, *, segment_ids=None, scale=None, backend="auto
   if min(qs) == 0 or min(ks) == 0 or hv == 0:
     raise ValueError(f"query, key and value must be non-empty, got query={qs}, key={ks}, "
                      f"value={vs}")
-  scale = 1.0 / math.sqrt(h) if scale is None else _positive_number("scale", scale)
-  softcap = None if logits_soft_cap is None else _positive_number("logits_soft_cap",
+  scale = 1.0 / math.sqrt(h) if scale is None else positive_number("scale", scale)
+  softcap = None if logits_soft_cap is None else positive_number("logits_soft_cap",
                                                                    logits_soft_cap)
   segments = _check_segments(segment_ids, lead, t, s)
   for name, lengths in (("query_seq_lengths", query_seq_lengths),
                         ("key_value_seq_lengths", key_value_seq_lengths)):
     if lengths is None:
       continue
-    shape, dtype = _shape(lengths, name)
+    shape, dtype = array_shape(lengths, name)
     if shape != lead:
       raise ValueError(f"{name} must have the batch shape {lead}, got {shape}")
     if not jnp.issubdtype(dtype, jnp.integer):
       raise ValueError(f"{name} must have an integer dtype, got {dtype}")
-  if sinks is not None:
-    shape, dtype = _shape(sinks, "sinks")
-    if shape != (n,):
-      raise ValueError(f"sinks must have shape [N] = ({n},), one logit per query head, got "
-                       f"{shape}")
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise ValueError(f"sinks must have a floating dtype, got {dtype}")
+  check_sinks(sinks, n)
   if backend != "auto" and backend not in BACKENDS:
     raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
   if strategy not in STRATEGIES:
@@ -194,7 +188,7 @@ def check_call(query, key, value, *, segment_ids=None, scale=None, backend="auto
     layouts.check_layout(layout, ring_size, length * scale_t,
                          length_name=f"{name} sequence length" + (
                              f" ({length} per device)" if local else ""))
-  window = _check_window(local_window_size, t * scale_t, s * scale_t)
+  window = check_window(local_window_size, t * scale_t, s * scale_t)
   local_s = s if local else -(-s // ring_size)
   if bidirectional and ring_size > 1 and local_s % 2 and not (pads and layout == "contiguous"):
     raise ValueError(f"bidirectional=True splits each device's keys in two halves; the local "
@@ -208,7 +202,23 @@ def check_call(query, key, value, *, segment_ids=None, scale=None, backend="auto
               backend=backend, strategy=strategy)
 
 
-def _check_window(local_window_size, t: int, s: int):
+def check_sinks(sinks, n: int) -> None:
+  """None, or a [N] floating array: one sink logit per query head.
+
+  Raises:
+    ValueError: naming sinks.
+  """
+  if sinks is None:
+    return
+  shape, dtype = array_shape(sinks, "sinks")
+  if shape != (n,):
+    raise ValueError(f"sinks must have shape [N] = ({n},), one logit per query head, got "
+                     f"{shape}")
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"sinks must have a floating dtype, got {dtype}")
+
+
+def check_window(local_window_size, t: int, s: int):
   """(left, right) from jax.nn's local_window_size (int w means (w, w)), or None.
 
   Bounds beyond the sequence change nothing (every query i < t, key j < s, so i - j lies in
@@ -249,7 +259,7 @@ def _check_segments(segment_ids, lead, t, s) -> bool:
     q_ids = kv_ids = segment_ids
   for name, ids, expected in (("segment_ids (query)", q_ids, lead + (t,)),
                               ("segment_ids (key/value)", kv_ids, lead + (s,))):
-    shape, dtype = _shape(ids, name)
+    shape, dtype = array_shape(ids, name)
     if shape != expected:
       raise ValueError(f"{name} must have shape {expected}, got {shape}")
     if not jnp.issubdtype(dtype, jnp.integer):

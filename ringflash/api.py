@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringflash import _inputs
+from ringflash import _mesh
 from ringflash import _validate
 from ringflash.parallel.plan import device_positions
 from ringflash.parallel.plan import layout_positions
@@ -89,7 +90,7 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
     NotImplementedError: the backend cannot run this call (naming it and the feature), or
       forward-mode differentiation.
   """
-  axis_name = _frozen(axis_name)
+  axis_name = _mesh.frozen(axis_name)
   if mesh is None:
     if not isinstance(axis_name, str):
       raise ValueError(f"mesh=None builds a 1-D mesh; axis_name must then be one name, got "
@@ -97,12 +98,12 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
     mesh = _default_mesh(axis_name)
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-  _seq_axes(mesh.shape, axis_name)
-  batch, heads = _outer_axes(query, mesh, axis_name)
+  _mesh.seq_axes(mesh.shape, axis_name)
+  batch, heads = _mesh.outer_axes(query, mesh, axis_name)
   options = _Options(axis_name=axis_name, is_causal=is_causal, scale=scale,
                      return_residual=return_residual, backend=backend,
                      block_sizes=block_sizes, layout=layout,
-                     local_window_size=_frozen(local_window_size),
+                     local_window_size=_mesh.frozen(local_window_size),
                      bidirectional=bidirectional, logits_soft_cap=logits_soft_cap,
                      strategy=strategy)
   arrays = (query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths, sinks)
@@ -127,10 +128,10 @@ def explain(query, key, value, *, mesh: Mesh | None = None, axis_name="sp", **op
     ValueError, NotImplementedError: as ring_attention would.
   """
   from ringflash.parallel import cost  # pylint: disable=g-import-not-at-top
-  axis_name = _frozen(axis_name)
+  axis_name = _mesh.frozen(axis_name)
   if mesh is None:
     mesh = _default_mesh(axis_name)
-  axes = _seq_axes(mesh.shape, axis_name)
+  axes = _mesh.seq_axes(mesh.shape, axis_name)
   device = mesh.devices.flat[0]
   block_sizes = options.pop("block_sizes", None)
   call = _validate.check_call(query, key, value, ring_size=axes.size, local=False, pads=True,
@@ -159,11 +160,6 @@ class _Options:
   bidirectional: bool
   logits_soft_cap: float | None
   strategy: str
-
-
-def _frozen(x):
-  """Lists as tuples, so that equal options hash equal (a window may be given as a list)."""
-  return tuple(_frozen(e) for e in x) if isinstance(x, (list, tuple)) else x
 
 
 def _types(options: _Options):
@@ -221,7 +217,7 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
                     options: _Options):
   """ring_attention's body: validate, map onto [B, T, N, H], the strategy under shard_map."""
   axis_name = options.axis_name
-  axes = _seq_axes(mesh.shape, axis_name)
+  axes = _mesh.seq_axes(mesh.shape, axis_name)
   ring_size = axes.size
   device = mesh.devices.flat[0]
   call = _validate.check_call(
@@ -241,7 +237,7 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
   q, k, v, q_seg, kv_seg = _inputs.canonical(
       call, query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths,
       t_len=t_len, s_len=s_len, q_pos=q_pos, k_pos=k_pos)
-  _check_divisible(q, k, mesh, batch, heads)
+  _mesh.check_divisible(q, k, mesh, batch, heads)
 
   x_spec = P(batch, axis_name, heads, None)
   seg_spec = P(batch, axis_name)
@@ -293,7 +289,7 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
     ValueError: on any invalid argument, or when axis_name is not a bound mesh axis.
     NotImplementedError: as ring_attention.
   """
-  axis_name = _frozen(axis_name)
+  axis_name = _mesh.frozen(axis_name)
   names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   try:
     sizes = tuple(lax.axis_size(a) for a in names)
@@ -302,7 +298,7 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
                      f"ring_attention_sharded inside shard_map over it") from err
   axes = _validate.SeqAxes(names, sizes)
   ring_size = axes.size
-  platform, device = _current_platform()
+  platform, device = _mesh.current_platform()
   call = _validate.check_call(
       query, key, value, segment_ids=segment_ids, scale=scale, backend=backend,
       ring_size=ring_size, local=True, layout=layout, local_window_size=local_window_size,
@@ -311,7 +307,7 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
       key_value_seq_lengths=key_value_seq_lengths, strategy=strategy)
   prepared = _validate.prepare(call, block_sizes=block_sizes, axes=axes, local=True,
                                platform=platform, device=device)
-  if prepared.kernel.interpret and _varying(query):
+  if prepared.kernel.interpret and _mesh.varying(query):
     raise ValueError(
         f"backend {prepared.backend!r} runs its Pallas kernels in interpret mode on CPU devices, "
         f"which cannot check mesh-axis types: call ring_attention_sharded inside "
@@ -327,87 +323,3 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
   return _inputs.finish(call, out, lse, sinks)
 
 
-def _seq_axes(shape, axis_name) -> _validate.SeqAxes:
-  """The mesh axes the sequence is sharded over, checked against the mesh's axes."""
-  names = (axis_name,) if isinstance(axis_name, str) else axis_name
-  if (not isinstance(names, tuple) or not names or len(set(names)) != len(names)
-      or not all(isinstance(a, str) and a in shape for a in names)):
-    raise ValueError(f"axis_name must be a mesh axis or a tuple of distinct mesh axes; got "
-                     f"{axis_name!r}, the mesh's axes are {tuple(shape)}")
-  return _validate.SeqAxes(tuple(names), tuple(int(shape[a]) for a in names))
-
-
-def _varying(x) -> bool:
-  """Whether x is typed by the mesh axes it varies over (shard_map with check_vma=True)."""
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)
-  if vma is None:
-    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-  return bool(vma)
-
-
-def _current_platform():
-  """Platform of the devices of the enclosing shard_map's mesh, and one such device."""
-  abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  platform = getattr(abstract, "platform", None) or jax.default_backend()
-  matching = [d for d in jax.devices() if d.platform == platform] if platform in (
-      "cpu", "gpu", "cuda", "tpu") else []
-  return platform, (matching[0] if matching else abstract)
-
-
-def _outer_axes(query, mesh: Mesh, axis_name: str):
-  """Mesh axes that query's batch and heads are sharded over, where the sharding is visible.
-
-  Concrete arrays carry a NamedSharding; inside jit, tracers show theirs on meshes with
-  explicit axes (jax.sharding.AxisType.Explicit, jax.make_mesh's default). Inside jit on a
-  mesh with Auto axes nothing is visible: batch and heads are then taken as unsharded over
-  the other axes (the compiler reshards to match); use an explicit mesh there, or call
-  ring_attention_sharded inside your own shard_map. The ring axis is never taken for batch
-  or heads. Several leading batch dims are flattened into one, major first: their axes
-  together shard it.
-  """
-  spec = None
-  sharding = getattr(query, "sharding", None) if not isinstance(query, jax.core.Tracer) else None
-  if isinstance(sharding, NamedSharding) and sharding.mesh.shape == mesh.shape:
-    spec = sharding.spec
-  else:
-    try:
-      typed = jax.typeof(query).sharding
-    except (AttributeError, TypeError):
-      typed = None
-    if typed is not None and tuple(getattr(typed.mesh, "axis_names", ())) == tuple(
-        mesh.axis_names):
-      spec = typed.spec
-  rank = len(getattr(query, "shape", ()))
-  if spec is None or rank < 3:
-    return None, None
-  entries = tuple(spec) + (None,) * (rank - len(tuple(spec)))
-
-  seq = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-
-  def names(entry):
-    if entry is None:
-      return ()
-    return tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in seq)
-
-  def entry_of(axes):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-  batch = tuple(a for e in entries[:rank - 3] for a in names(e))
-  return entry_of(batch), entry_of(names(entries[rank - 2]))
-
-
-def _check_divisible(query, key, mesh: Mesh, batch, heads):
-  def size(entry):
-    if entry is None:
-      return 1
-    names = (entry,) if isinstance(entry, str) else entry
-    return int(np.prod([mesh.shape[a] for a in names]))
-
-  if query.shape[0] % size(batch):
-    raise ValueError(f"query batch {query.shape[0]} must divide over mesh axes {batch} "
-                     f"({size(batch)} devices)")
-  if key.shape[2] % size(heads):
-    raise ValueError(f"key heads K={key.shape[2]} must divide over the mesh axes {heads} "
-                     f"({size(heads)} devices) that query's heads are sharded over, so that "
-                     f"each device keeps whole GQA groups")

@@ -6,9 +6,6 @@ partial results combine exactly through their log-sum-exp in one reduction
 keeps such a cache: prefill from the ring, balanced appends, positions per slot.
 """
 
-# The validation helpers of ringflash/_validate.py and api.py are shared within ringflash/.
-# pylint: disable=protected-access
-
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +18,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringflash import _inputs
+from ringflash import _mesh
 from ringflash import _validate
-from ringflash import api
 from ringflash.kernels import BACKENDS
 from ringflash.kernels import base
 from ringflash.kernels import get_backend
@@ -82,9 +79,9 @@ def decode_attention(query, key_cache, value_cache, *, cache_lengths, mesh: Mesh
     ValueError: an invalid argument, naming it, before any collective runs.
     NotImplementedError: the backend cannot run the call; or differentiation (forward only).
   """
-  options = _Options(axis_name=api._frozen(axis_name), scale=scale,
+  options = _Options(axis_name=_mesh.frozen(axis_name), scale=scale,
                      logits_soft_cap=logits_soft_cap,
-                     local_window_size=api._frozen(local_window_size),
+                     local_window_size=_mesh.frozen(local_window_size),
                      backend=backend, block_sizes=block_sizes,
                      return_residual=return_residual, strategy=strategy, guarded=False)
   return run(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, mesh=mesh,
@@ -118,12 +115,12 @@ def run(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, *,
   """
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-  api._seq_axes(mesh.shape, options.axis_name)
+  _mesh.seq_axes(mesh.shape, options.axis_name)
   if any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(
       (query, key_cache, value_cache, sinks))):
     raise NotImplementedError(_FORWARD_ONLY)
   if batch_axis is False:
-    batch, heads = api._outer_axes(key_cache, mesh, options.axis_name)
+    batch, heads = _mesh.outer_axes(key_cache, mesh, options.axis_name)
   else:
     batch, heads = batch_axis, None
   try:
@@ -170,7 +167,7 @@ class _Call:
 
 
 def _array(x, name):
-  return _validate._shape(x, name)
+  return _validate.array_shape(x, name)
 
 
 def check(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, *,
@@ -190,7 +187,7 @@ def check(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, 
     if min(shape) == 0:
       raise ValueError(f"{name} must be non-empty, got shape {shape}")
   for name, dtype in (("query", qd), ("key_cache", kd), ("value_cache", vd)):
-    if dtype not in _validate._FLOAT_DTYPES:
+    if dtype not in _validate.FLOAT_DTYPES:
       raise ValueError(f"{name}.dtype must be float32, bfloat16 or float16, got {dtype}")
   if kd != qd or vd != qd:
     raise ValueError(f"query, key_cache and value_cache must share a dtype, got query={qd}, "
@@ -227,18 +224,12 @@ def check(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, 
                        f"{shape}")
     if not jnp.issubdtype(dtype, jnp.integer):
       raise ValueError(f"cache_positions must have an integer dtype, got {dtype}")
-  if sinks is not None:
-    shape, dtype = _array(sinks, "sinks")
-    if shape != (n,):
-      raise ValueError(f"sinks must have shape [N] = ({n},), one logit per query head, got "
-                       f"{shape}")
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise ValueError(f"sinks must have a floating dtype, got {dtype}")
-  scale = 1.0 / h ** 0.5 if options.scale is None else _validate._positive_number(
+  _validate.check_sinks(sinks, n)
+  scale = 1.0 / h ** 0.5 if options.scale is None else _validate.positive_number(
       "scale", options.scale)
-  softcap = None if options.logits_soft_cap is None else _validate._positive_number(
+  softcap = None if options.logits_soft_cap is None else _validate.positive_number(
       "logits_soft_cap", options.logits_soft_cap)
-  window = _validate._check_window(options.local_window_size, s_max, s_max)
+  window = _validate.check_window(options.local_window_size, s_max, s_max)
   if options.backend != "auto" and options.backend not in BACKENDS:
     raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {options.backend!r}")
   if options.strategy not in STRATEGIES:
@@ -315,11 +306,11 @@ def place(x, mesh: Mesh, spec: P):
 def _decode(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, *,
             mesh: Mesh, batch, heads, options: _Options):
   """decode_attention's body: validate, resolve, the strategy under shard_map, sinks."""
-  axes = api._seq_axes(mesh.shape, options.axis_name)
+  axes = _mesh.seq_axes(mesh.shape, options.axis_name)
   call = check(query, key_cache, value_cache, cache_lengths, cache_positions, sinks,
                ring_size=axes.size, options=options)
   spec = prepare(call, options=options, ring_size=axes.size, device=mesh.devices.flat[0])
-  api._check_divisible(query, key_cache, mesh, batch, heads)
+  _mesh.check_divisible(query, key_cache, mesh, batch, heads)
   cache_spec = P(batch, options.axis_name, heads, None)
   q_spec = P(batch, None, heads, None)
   row_spec = P(batch)

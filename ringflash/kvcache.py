@@ -21,9 +21,6 @@ batch_axis): pass it through jit and donate it (`jax.jit(step, donate_argnums=..
 and append update its arrays in place.
 """
 
-# The validation helpers of ringflash/_validate.py and api.py are shared within ringflash/.
-# pylint: disable=protected-access
-
 from __future__ import annotations
 
 import functools
@@ -34,8 +31,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ringflash import _mesh
 from ringflash import _validate
-from ringflash import api
 from ringflash import decode
 from ringflash.parallel import decode as decode_parallel
 from ringflash.parallel import plan as ring_plan
@@ -100,8 +97,8 @@ class KVCache:
     """
     if not isinstance(mesh, Mesh):
       raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    axis_name = api._frozen(axis_name)
-    batch_axis = api._frozen(batch_axis)
+    axis_name = _mesh.frozen(axis_name)
+    batch_axis = _mesh.frozen(batch_axis)
     p = _ring_size(mesh, axis_name)
     hv = head_dim if value_head_dim is None else value_head_dim
     for name, value in (("batch", batch), ("max_len", max_len), ("kv_heads", kv_heads),
@@ -113,7 +110,7 @@ class KVCache:
                        f"{axis_name!r}")
     if max_len >= EMPTY:
       raise ValueError(f"max_len={max_len} must be below {EMPTY}")
-    if jnp.dtype(dtype) not in _validate._FLOAT_DTYPES:
+    if jnp.dtype(dtype) not in _validate.FLOAT_DTYPES:
       raise ValueError(f"dtype must be float32, bfloat16 or float16, got {jnp.dtype(dtype)}")
     if batch_axis is not None:
       names = (batch_axis,) if isinstance(batch_axis, str) else batch_axis
@@ -157,14 +154,14 @@ class KVCache:
     """
     b, _, kh, h = self.k.shape
     hv = self.v.shape[-1]
-    (ks, kd), (vs, vd) = _validate._shape(k, "k"), _validate._shape(v, "v")
+    (ks, kd), (vs, vd) = _validate.array_shape(k, "k"), _validate.array_shape(v, "v")
     if len(ks) != 4 or ks[0] != b or ks[2:] != (kh, h):
       raise ValueError(f"k must have shape [B, T, K, H] = [{b}, T, {kh}, {h}], got {ks}")
     t = ks[1]
     if vs != (b, t, kh, hv):
       raise ValueError(f"v must have shape [B, T, K, Hv] = {(b, t, kh, hv)}, got {vs}")
     for name, dtype in (("k", kd), ("v", vd)):
-      if dtype not in _validate._FLOAT_DTYPES:
+      if dtype not in _validate.FLOAT_DTYPES:
         raise ValueError(f"{name}.dtype must be float32, bfloat16 or float16, got {dtype}")
     if t > self.max_len:
       raise ValueError(f"k holds T={t} tokens, more than the cache's max_len={self.max_len}")
@@ -173,7 +170,7 @@ class KVCache:
     if lengths is None:
       lengths = jnp.full((b,), t, jnp.int32)
     else:
-      shape, dtype = _validate._shape(lengths, "lengths")
+      shape, dtype = _validate.array_shape(lengths, "lengths")
       if shape != (b,) or not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(f"lengths must be a [B] = ({b},) integer array, got {shape} {dtype}")
     fn = _prefill_program(self.mesh, self.axis_name, self.batch_axis, layout, t)
@@ -197,15 +194,15 @@ class KVCache:
     """
     b, _, kh, h = self.k.shape
     hv = self.v.shape[-1]
-    (ks, kd), (vs, vd) = (_validate._shape(k_new, "k_new"),
-                          _validate._shape(v_new, "v_new"))
+    (ks, kd), (vs, vd) = (_validate.array_shape(k_new, "k_new"),
+                          _validate.array_shape(v_new, "v_new"))
     if len(ks) != 4 or ks[0] != b or ks[2:] != (kh, h) or ks[1] < 1:
       raise ValueError(f"k_new must have shape [B, t, K, H] = [{b}, t, {kh}, {h}], got {ks}")
     t = ks[1]
     if vs != (b, t, kh, hv):
       raise ValueError(f"v_new must have shape [B, t, K, Hv] = {(b, t, kh, hv)}, got {vs}")
     for name, dtype in (("k_new", kd), ("v_new", vd)):
-      if dtype not in _validate._FLOAT_DTYPES:
+      if dtype not in _validate.FLOAT_DTYPES:
         raise ValueError(f"{name}.dtype must be float32, bfloat16 or float16, got {dtype}")
     if not isinstance(self.used, jax.core.Tracer):
       most = int(np.max(np.asarray(jax.device_get(self.used))))
@@ -228,7 +225,7 @@ class KVCache:
     """
     options = decode._Options(
         axis_name=self.axis_name, scale=scale, logits_soft_cap=logits_soft_cap,
-        local_window_size=api._frozen(local_window_size),
+        local_window_size=_mesh.frozen(local_window_size),
         backend=backend, block_sizes=block_sizes, return_residual=return_residual,
         strategy=strategy, guarded=True)
     return decode.run(query, self.k, self.v, self.lengths, self.positions, sinks,
@@ -236,7 +233,7 @@ class KVCache:
 
 
 def _ring_size(mesh: Mesh, axis_name) -> int:
-  return api._seq_axes(mesh.shape, axis_name).size
+  return _mesh.seq_axes(mesh.shape, axis_name).size
 
 
 class _Shardings:

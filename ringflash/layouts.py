@@ -1,21 +1,15 @@
 """Sequence layouts over the ring: the public permutations to_layout and from_layout.
 
-A layout says which global positions each device of a ring of P devices holds; masks are
-functions of global positions, so a layout changes nothing but those positions. With global
-length T and L = T / P tokens per device:
-
-  contiguous  device i holds positions i*L ... i*L + L - 1.
-  zigzag      the sequence is cut into 2P chunks of c = L / 2; device i holds chunks i and
-              2P - 1 - i. P = 4, T = 16 (c = 2): device 0 holds 0 1 14 15, device 1 holds
-              2 3 12 13, device 2 holds 4 5 10 11, device 3 holds 6 7 8 9.
-  striped     token t lives on device t mod P, at local row t // P. P = 4, T = 16: device 1
-              holds 1 5 9 13.
+A layout says which global positions each device of a ring of P devices holds (the table,
+with examples, opens ringflash/parallel/plan.py: contiguous, zigzag, striped); masks are
+functions of global positions, so a layout changes nothing but those positions.
 
 Which to use: with causal masking the contiguous layout gives device P-1 about P/2 times the
 mean work (it sees every earlier block, device 0 only its own), and the ring runs at the
 pace of its busiest device. zigzag and striped give every device the same work to within a
-tile (ringflash.parallel.plan.plan_ring counts them; `ringflash demo` prints the table). zigzag keeps runs of c consecutive tokens
-together, so whole tiles on the diagonal chunks are skipped and block sizes stay free;
+tile (ringflash.parallel.plan.plan_ring counts them; `ringflash demo` prints the table).
+zigzag keeps runs of c consecutive tokens together, so whole tiles on the diagonal chunks
+are skipped and block sizes stay free;
 striped spreads every tile over the whole sequence, so almost no causal tile is skipped
 outright but each is half masked. Prefer zigzag for causal training; striped when T / P is
 too short to cut in two chunks of whole tiles; contiguous for non-causal attention and for

@@ -1,0 +1,101 @@
+"""Mesh facts the public entry points share: which axes shard the sequence, what other axes
+the inputs' batch and heads are sharded over, the platform inside a caller's shard_map."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from ringflash import _validate
+
+
+def frozen(x):
+  """Lists as tuples, so that equal options hash equal (a window may be given as a list)."""
+  return tuple(frozen(e) for e in x) if isinstance(x, (list, tuple)) else x
+
+
+def seq_axes(shape, axis_name) -> _validate.SeqAxes:
+  """The mesh axes the sequence is sharded over, checked against the mesh's axes."""
+  names = (axis_name,) if isinstance(axis_name, str) else axis_name
+  if (not isinstance(names, tuple) or not names or len(set(names)) != len(names)
+      or not all(isinstance(a, str) and a in shape for a in names)):
+    raise ValueError(f"axis_name must be a mesh axis or a tuple of distinct mesh axes; got "
+                     f"{axis_name!r}, the mesh's axes are {tuple(shape)}")
+  return _validate.SeqAxes(tuple(names), tuple(int(shape[a]) for a in names))
+
+
+def varying(x) -> bool:
+  """Whether x is typed by the mesh axes it varies over (shard_map with check_vma=True)."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+  return bool(vma)
+
+
+def current_platform():
+  """Platform of the devices of the enclosing shard_map's mesh, and one such device."""
+  abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  platform = getattr(abstract, "platform", None) or jax.default_backend()
+  matching = [d for d in jax.devices() if d.platform == platform] if platform in (
+      "cpu", "gpu", "cuda", "tpu") else []
+  return platform, (matching[0] if matching else abstract)
+
+
+def outer_axes(query, mesh: Mesh, axis_name: str):
+  """Mesh axes that query's batch and heads are sharded over, where the sharding is visible.
+
+  Concrete arrays carry a NamedSharding; inside jit, tracers show theirs on meshes with
+  explicit axes (jax.sharding.AxisType.Explicit, jax.make_mesh's default). Inside jit on a
+  mesh with Auto axes nothing is visible: batch and heads are then taken as unsharded over
+  the other axes (the compiler reshards to match); use an explicit mesh there, or call
+  ring_attention_sharded inside your own shard_map. The ring axis is never taken for batch
+  or heads. Several leading batch dims are flattened into one, major first: their axes
+  together shard it.
+  """
+  spec = None
+  sharding = getattr(query, "sharding", None) if not isinstance(query, jax.core.Tracer) else None
+  if isinstance(sharding, NamedSharding) and sharding.mesh.shape == mesh.shape:
+    spec = sharding.spec
+  else:
+    try:
+      typed = jax.typeof(query).sharding
+    except (AttributeError, TypeError):
+      typed = None
+    if typed is not None and tuple(getattr(typed.mesh, "axis_names", ())) == tuple(
+        mesh.axis_names):
+      spec = typed.spec
+  rank = len(getattr(query, "shape", ()))
+  if spec is None or rank < 3:
+    return None, None
+  entries = tuple(spec) + (None,) * (rank - len(tuple(spec)))
+
+  seq = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+  def names(entry):
+    if entry is None:
+      return ()
+    return tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in seq)
+
+  def entry_of(axes):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+  batch = tuple(a for e in entries[:rank - 3] for a in names(e))
+  return entry_of(batch), entry_of(names(entries[rank - 2]))
+
+
+def check_divisible(query, key, mesh: Mesh, batch, heads):
+  def size(entry):
+    if entry is None:
+      return 1
+    names = (entry,) if isinstance(entry, str) else entry
+    return int(np.prod([mesh.shape[a] for a in names]))
+
+  if query.shape[0] % size(batch):
+    raise ValueError(f"query batch {query.shape[0]} must divide over mesh axes {batch} "
+                     f"({size(batch)} devices)")
+  if key.shape[2] % size(heads):
+    raise ValueError(f"key heads K={key.shape[2]} must divide over the mesh axes {heads} "
+                     f"({size(heads)} devices) that query's heads are sharded over, so that "
+                     f"each device keeps whole GQA groups")
