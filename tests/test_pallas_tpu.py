@@ -1,6 +1,9 @@
 """What is particular to the pallas_tpu backend, in Pallas interpret mode on CPU: the sliding
-window through base.mask, tile skipping (no read of a tile without work), the fetch index,
-and the per-generation tiles. The contract cases run on it in tests/contract/."""
+window through base.mask; soft-cap and a value head dim over several tiles; tile skipping (no
+read of a tile without work) from per-tile ranges, which mark the tiles that
+base.block_may_have_work marks, in metadata linear in the lengths; the fetch spans; the local
+lengths a TPU cannot tile; the per-generation tiles. The contract cases run on it in
+tests/contract/."""
 
 from __future__ import annotations
 
@@ -50,6 +53,99 @@ def test_kernel_sliding_window_reaches_the_kernel_through_base_mask():
     assert helpers.max_err(got, ref) <= helpers.fp32_tol(ref)
 
 
+def test_soft_cap_and_value_head_dim_over_several_tiles_match_the_oracle():
+  """Soft-cap (scores cap * tanh(s / cap) before the mask; ds times 1 - (s / cap)^2) and a
+  value head dim of its own (Hv 48 != H 32), GQA, causal with segment ids, 2 x 2 tiles:
+  forward and backward (with an lse cotangent) against the oracle."""
+  b, t, n, kh, h, hv, cap = 2, 64, 4, 2, 32, 48, 1.5
+  q, key, _, _ = helpers.inputs(3, b, t, t, n, kh, h, jnp.float32)
+  v = jax.random.normal(jax.random.key(4), (b, t, kh, hv), jnp.float32)
+  dout = jax.random.normal(jax.random.key(5), (b, t, n, hv), jnp.float32)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  seg = helpers.packed_segments(b, t, seed=2)
+  spec = _spec(True, 32, 32, softcap=cap)
+
+  def dense(q_, k_, v_):
+    return oracle.attention(q_, k_, v_, causal=True, scale=0.125, q_seg=seg, kv_seg=seg,
+                            softcap=cap)
+
+  o, lse = pallas_tpu.forward(q, key, v, pos, pos, seg, seg, spec)
+  ref_o, ref_lse = dense(q, key, v)
+  assert o.shape == (b, t, n, hv)
+  assert helpers.max_err(o, ref_o) <= helpers.fp32_tol(ref_o)
+  assert helpers.max_err(lse, ref_lse) <= helpers.fp32_tol(ref_lse)
+  dlse = jnp.where(jnp.isfinite(ref_lse), 0.3, 0.0)
+  got = pallas_tpu.backward(q, key, v, ref_o, ref_lse, dout, pos, pos, seg, seg, spec, dlse)
+
+  def loss(q_, k_, v_):
+    o_, l_ = dense(q_, k_, v_)
+    return jnp.sum(o_ * dout) + jnp.sum(jnp.where(jnp.isfinite(l_), l_, 0.0) * dlse)
+
+  want = jax.grad(loss, argnums=(0, 1, 2))(q, key, v)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    assert g.shape == w.shape, name
+    assert helpers.max_err(g, w) <= helpers.fp32_tol(w), name
+
+
+def _old_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk):
+  """The per-tile flags [Bf, nq, nk] of earlier versions, tile by tile:
+  base.block_may_have_work on each tile (per batch row with segment ids)."""
+  nq, nk = q_pos.shape[0] // bq, k_pos.shape[0] // bk
+  rows = 1 if q_seg is None else q_seg.shape[0]
+  out = np.zeros((rows, nq, nk), bool)
+  for r in range(rows):
+    for i in range(nq):
+      for j in range(nk):
+        qs = None if q_seg is None else q_seg[r:r + 1, i * bq:(i + 1) * bq]
+        ks = None if k_seg is None else k_seg[r:r + 1, j * bk:(j + 1) * bk]
+        out[r, i, j] = bool(base.block_may_have_work(
+            q_pos[i * bq:(i + 1) * bq], k_pos[j * bk:(j + 1) * bk], spec, qs, ks))
+  return out
+
+
+_PAD_Q, _PAD_K = np.iinfo(np.int32).max, np.iinfo(np.int32).min   # ringflash/_inputs.py
+
+
+@pytest.mark.parametrize("causal,window,layout,ids", [
+    (True, None, "contiguous", None),
+    (False, (20, 5), "contiguous", None),
+    (True, None, "striped", None),
+    (True, (30, 0), "zigzag", None),
+    (False, None, "contiguous", "packed"),
+    (True, None, "contiguous", "lengths"),
+    (True, None, "contiguous", "interleaved"),
+], ids=["causal", "window", "striped", "zigzag-window", "documents", "lengths", "interleaved"])
+def test_tile_ranges_mark_exactly_the_tiles_of_the_per_tile_flags(causal, window, layout, ids):
+  """The test the kernels evaluate on per-tile ranges (SMEM) marks the same tiles as the
+  per-tile flags of earlier versions, for every kind of mask, the padding ids of sequence
+  lengths (PAD_Q, PAD_K) included."""
+  t, s, bq, bk, b = 128, 192, 16, 32, 2
+  q_pos = {"contiguous": np.arange(t) + 64, "striped": np.arange(t) * 4 + 1,
+           "zigzag": np.concatenate([np.arange(64), np.arange(448, 512)])}[layout]
+  k_pos = {"contiguous": np.arange(s), "striped": np.arange(s) * 4 + 2,
+           "zigzag": np.concatenate([np.arange(96), np.arange(416, 512)])}[layout]
+  q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
+  q_seg = k_seg = None
+  if ids == "packed":
+    q_seg, k_seg = helpers.packed_segments(b, t, seed=1), helpers.packed_segments(b, s, seed=2)
+  elif ids == "lengths":
+    q_seg = jnp.where(jnp.arange(t)[None] < jnp.array([[70], [128]]), 0, _PAD_Q)
+    k_seg = jnp.where(jnp.arange(s)[None] < jnp.array([[40], [150]]), 0, _PAD_K)
+  elif ids == "interleaved":
+    q_seg = jnp.broadcast_to((jnp.arange(t) // 40) % 2, (b, t))
+    k_seg = jnp.broadcast_to((jnp.arange(s) // 70) % 3, (b, s))
+  if q_seg is not None:
+    q_seg, k_seg = q_seg.astype(jnp.int32), k_seg.astype(jnp.int32)
+  tiling = pallas_tpu._Tiling(nq=t // bq, nk=s // bk, bsz=b, segments=q_seg is not None,
+                              causal=causal, window=window, reduce_q=False)
+  bounds = pallas_tpu._bounds(q_pos, k_pos, q_seg, k_seg, bq, bk)
+  got = np.broadcast_to(np.asarray(pallas_tpu._tile_work(tiling, bounds)),
+                        (tiling.bf, t // bq, s // bk))
+  want = _old_flags(q_pos, k_pos, q_seg, k_seg, _spec(causal, bq, bk, window=window), bq, bk)
+  np.testing.assert_array_equal(got, want)
+  assert 0 < want.sum() < want.size          # some tiles skipped, some not
+
+
 def test_tiles_without_work_are_neither_read_nor_computed():
   # Causal, queries at positions 0..127, keys 0..255: key tile 1 (positions 128..255) has no
   # valid pair for any query. NaN there would poison o (p @ v, 0 * NaN = NaN) and dq if the
@@ -59,8 +155,11 @@ def test_tiles_without_work_are_neither_read_nor_computed():
   v = v.at[:, 128:].set(jnp.nan)
   q_pos, k_pos = jnp.arange(128, dtype=jnp.int32), jnp.arange(256, dtype=jnp.int32)
   spec = _spec(True, 64, 128)
-  flags = pallas_tpu._tile_flags(q_pos, k_pos, None, None, spec, 64, 128)
-  np.testing.assert_array_equal(np.asarray(flags), [[[1, 0], [1, 0]]])
+  tiling = pallas_tpu._Tiling(nq=2, nk=2, bsz=1, segments=False, causal=True, window=None,
+                              reduce_q=False)
+  bounds = pallas_tpu._bounds(q_pos, k_pos, None, None, 64, 128)
+  np.testing.assert_array_equal(np.asarray(pallas_tpu._tile_work(tiling, bounds)),
+                                [[[1, 0], [1, 0]]])
   o, lse = pallas_tpu.forward(q, key, v, q_pos, k_pos, None, None, spec)
   ref_o, ref_lse = oracle.attention(q, key[:, :128], v[:, :128], causal=True, scale=0.125)
   assert helpers.max_err(o, ref_o) <= helpers.fp32_tol(ref_o)
@@ -76,38 +175,95 @@ def test_tiles_without_work_are_neither_read_nor_computed():
   assert helpers.max_err(dk[:, :128], ref_dk) <= helpers.fp32_tol(ref_dk)
 
 
-def test_fetch_index_revisits_the_last_working_block():
-  flags = jnp.array([[[0, 1, 1, 0, 0, 1], [0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]]], jnp.int32)
-  np.testing.assert_array_equal(np.asarray(pallas_tpu._fetch_index(flags)),
-                                [[[1, 1, 2, 2, 2, 5], [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]]])
+def test_spans_fetch_the_first_working_tile_early_and_keep_the_last():
+  """Per row of tiles the reduced operand holds clamp(step, first, last): before the first
+  working tile its block (fetched early), after the last the last (no DMA), a row without
+  work block 0; a gap between working tiles is fetched (not computed). Per batch row with
+  segment ids."""
+  # 6 key tiles of 8 keys, tile j holding id j; 3 query tiles of 8 rows per batch row.
+  k_seg = jnp.broadcast_to(jnp.repeat(jnp.arange(6, dtype=jnp.int32), 8), (2, 48))
+  q_seg = jnp.asarray([[1] * 4 + [2] * 4 + [5] * 8 + [9] * 8,
+                       [0] * 8 + [3] * 8 + [4, 5] * 4], jnp.int32)
+  q_pos, k_pos = jnp.arange(24, dtype=jnp.int32), jnp.arange(48, dtype=jnp.int32)
+  tiling = pallas_tpu._Tiling(nq=3, nk=6, bsz=2, segments=True, causal=False, window=None,
+                              reduce_q=False)
+  bounds = pallas_tpu._bounds(q_pos, k_pos, q_seg, k_seg, 8, 8)
+  work = np.asarray(pallas_tpu._tile_work(tiling, bounds)).astype(int)
+  np.testing.assert_array_equal(work[0], [[0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1],
+                                          [0, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(work[1], [[1, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0],
+                                          [0, 0, 0, 0, 1, 1]])
+  span = pallas_tpu._spans(tiling, bounds)
+  held = [[int(tiling.fetch(span, r, i, j)) for j in range(6)] for r in (0, 1)
+          for i in range(3)]
+  assert held == [[1, 1, 2, 2, 2, 2], [5] * 6, [0] * 6,
+                  [0] * 6, [3] * 6, [4, 4, 4, 4, 4, 5]]
+  # Ids 1 and 5 in one query tile: key tiles 1 and 5 work, 2..4 are a gap.
+  gap = q_seg.at[0, 0:8].set(jnp.asarray([1, 5] * 4, jnp.int32))
+  bounds = pallas_tpu._bounds(q_pos, k_pos, gap, k_seg, 8, 8)
+  span = pallas_tpu._spans(tiling, bounds)
+  assert [int(tiling.fetch(span, 0, 0, j)) for j in range(6)] == [1, 1, 2, 3, 4, 5]
+
+
+def test_tile_metadata_grows_linearly_with_the_lengths():
+  """Per-tile ranges and per-row spans of a causal call: 4 times the bytes at 4 times the
+  length, 48 KiB at a million tokens per device, where the per-tile flags of earlier
+  versions (two int32 [T / bq, S / bk] arrays, prefetched into the 1 MiB of SMEM) took
+  32 MiB."""
+  bq = bk = 512
+  sizes = []
+  for length in (2**18, 2**20):
+    pos = jax.ShapeDtypeStruct((length,), jnp.int32)
+    tiling = pallas_tpu._Tiling(nq=length // bq, nk=length // bk, bsz=1, segments=False,
+                                causal=True, window=None, reduce_q=False)
+    bounds = jax.eval_shape(lambda p: pallas_tpu._bounds(p, p, None, None, bq, bk), pos)
+    span = jax.eval_shape(lambda b, tiling=tiling: pallas_tpu._spans(tiling, b), bounds)
+    sizes.append(4 * (bounds.size + span.size))
+  assert sizes[1] == 4 * sizes[0]
+  assert sizes[1] <= 48 * 2**10
+
+
+def test_local_lengths_a_tpu_cannot_tile_are_refused_before_mosaic():
+  """A local length of 125 (1000 tokens striped over 8 chips) once reached Mosaic and died
+  in the in-tile mask ("Invalid vector register cast"); on TPU it is refused with the
+  reason, and "auto" takes the xla backend. Interpret mode still runs it."""
+  def problem(length, platform):
+    return base.Problem(q_len=length, kv_len=length, head_dim=128, kv_heads=2, group=4,
+                        dtype=jnp.dtype(jnp.bfloat16), platform=platform,
+                        device_kind="TPU v5" if platform == "tpu" else "")
+  assert "multiples of 8" in pallas_tpu.unsupported(problem(125, "tpu"))
+  assert pallas_tpu.unsupported(problem(120, "tpu")) is None
+  assert pallas_tpu.unsupported(problem(125, "cpu")) is None
+  tiles = pallas_tpu.resolve_tiles(None, problem(120, "tpu"))
+  assert (tiles.block_q, tiles.block_k) == (120, 120)
 
 
 @pytest.mark.parametrize("kind,dtype,expected", [
-    ("TPU v5", jnp.bfloat16, (512, 512)),
-    ("TPU v6 lite", jnp.bfloat16, (512, 1024)),
-    ("TPU v4", jnp.bfloat16, (256, 512)),
+    ("TPU v5", jnp.bfloat16, (256, 512)),
+    ("TPU v6 lite", jnp.bfloat16, (256, 1024)),
+    ("TPU v4", jnp.bfloat16, (128, 256)),
     ("cpu", jnp.float32, (512, 512)),
 ])
 def test_default_block_sizes_per_generation(kind, dtype, expected):
-  got = _resolve(None, 16384, 16384, head_dim=128,
-                                       kv_heads=4, group=4, dtype=dtype, device_kind=kind)
+  got = _resolve(None, 16384, 16384, head_dim=128, kv_heads=4, group=4, dtype=dtype,
+                 device_kind=kind)
   assert got == expected
 
 
 @pytest.mark.parametrize("kind", ["TPU v4", "TPU v5p", "TPU v6e"])
 @pytest.mark.parametrize("head_dim,kv_heads,group", [(64, 2, 16), (64, 5, 4), (32, 4, 8),
-                                                     (128, 3, 8), (256, 1, 32)])
+                                                     (128, 8, 4), (256, 1, 32), (192, 16, 2)])
 def test_default_tiles_fit_vmem_with_the_kv_heads_of_a_block(kind, head_dim, kv_heads, group):
   """The default tiles fit the generation's budget for the kv heads a block really holds
-  (H = 64: two; K = 5 at H = 64: all five), not for one. v4, H = 64, K = 5 once got tiles
-  estimated at 16 MiB against a 14 MiB budget."""
-  bq, bk = _resolve(None, 16384, 16384, head_dim=head_dim,
-                                          kv_heads=kv_heads, group=group, dtype=jnp.bfloat16,
-                                          device_kind=kind)
-  hk = pallas_tpu._heads_per_block(kv_heads, head_dim)
-  assert hk == (kv_heads if head_dim == 64 and kv_heads % 2 else max(1, 128 // head_dim))
-  budget = pallas_tpu._generation(kind)[2]
+  (the fewest multiple of 8 dividing K, else all K: second-minor block dims must be multiples
+  of 8 or whole), not for one."""
+  bq, bk = _resolve(None, 16384, 16384, head_dim=head_dim, kv_heads=kv_heads, group=group,
+                    dtype=jnp.bfloat16, device_kind=kind)
+  hk = pallas_tpu._heads_per_block(kv_heads)
+  assert hk == (8 if kv_heads % 8 == 0 else kv_heads)
+  budget = pallas_tpu._BUDGET * pallas_tpu._generation(kind)[2]
   assert pallas_tpu._vmem_estimate(bq, bk, group, hk, head_dim, 2) <= budget, (bq, bk)
+  assert bq >= 16 and bk >= 128
 
 
 def test_block_sizes_follow_tpu_tiling():
@@ -115,6 +271,7 @@ def test_block_sizes_follow_tpu_tiling():
   kw = dict(head_dim=128, kv_heads=4, group=4, dtype=jnp.bfloat16,
             device_kind="TPU v5 lite")
   assert resolve(None, 96, 64, **kw) == (96, 64)     # whole short lengths
+  assert resolve(None, 16 * 8193, 16 * 8193, **kw)[1] == 16 * 3   # no 128-multiple divides
   assert resolve(ringflash.TpuBlockSizes(32, 128), 256, 256, **kw) == (32, 128)
   with pytest.raises(ValueError, match="block_sizes.block_k"):
     resolve(ringflash.TpuBlockSizes(32, 64), 256, 256, **kw)          # not a lane multiple

@@ -1,4 +1,5 @@
-"""`ringflash plan`: deviceless TPU compile reporting per-device memory and the ring's shape."""
+"""`ringflash plan`: deviceless TPU compile reporting per-device memory, what the temporaries
+are at their peak, the ring's shape, and the longest sequence that fits (--max_seq_len)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ def test_plan_reports_memory_fit_and_ring_permutes():
   assert small["all_gathers"] == 0
   assert small["fits"] and 0 < small["total"] < small["hbm"]
   assert small["out_of_memory"] is None
+  # What the temporaries are at their peak: the backward's fp32 dq (accumulator and one hop's
+  # kernel output), dK/dV accumulators, K/V; at least the unavoidable arrays in all.
+  found = small["breakdown"]
+  assert found is not None and 0 < found.peak <= found.allocated <= small["temporaries"]
+  roles = {role: size for role, size, _, _ in found.groups}
+  assert roles["o or dq, fp32: accumulator, or one hop's kernel output"] >= 2 * 8192 * 8 * 128 * 4
+  assert sum(roles.values()) == found.peak
+  assert 0 < small["unavoidable"] <= small["total"]
   big = planner.plan("v5e:2x4", batch=1, seq_len=131072, heads=8, kv_heads=2, head_dim=128,
                      dtype="bfloat16", causal=True, mode="train", backend="auto")
   # Twice the tokens per chip: every buffer is linear in the length (measured 2.4x, as the
@@ -40,17 +49,17 @@ def test_plan_reports_memory_fit_and_ring_permutes():
 
 @needs_libtpu
 def test_a_plan_the_compiler_cannot_fit_says_which_memory_and_exits_1():
-  # GQA 32/8, d128, causal, 196,608 tokens per chip of v5p:2x2x2: the kernel's prefetched
-  # positions overflow SMEM (the compile fails; it once ended in a traceback).
+  # GQA 32/8, d128, causal forward, 1,048,576 tokens per chip of v5e:2x4 (16 GB): the
+  # compiler runs out of HBM (the compile fails; such a failure once ended in a traceback).
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   done = subprocess.run(
-      [sys.executable, "-m", "ringflash.cli", "plan", "--topology=v5p:2x2x2",
-       f"--seq_len={196608 * 8}", "--heads=32", "--kv_heads=8", "--head_dim=128", "--causal",
+      [sys.executable, "-m", "ringflash.cli", "plan", "--topology=v5e:2x4",
+       f"--seq_len={2**20 * 8}", "--heads=32", "--kv_heads=8", "--head_dim=128", "--causal",
        "--mode=forward"], env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 1, done.stderr[-3000:]
   assert "Traceback" not in done.stderr
-  assert "196608 tokens per chip" in done.stdout
-  assert "does not fit: SMEM needs 1.13 MiB of 1.00 MiB available" in done.stdout
+  assert "1048576 tokens per chip" in done.stdout
+  assert "does not fit: HBM needs" in done.stdout or "DOES NOT FIT" in done.stdout
 
 
 # The TPU compiler's messages, as libtpu printed them for the plans in the comments.
@@ -90,11 +99,19 @@ def test_other_errors_are_not_out_of_memory():
 
 def _report(**changes):
   report = {"topology": "v5p:2x2x2", "chips": 8, "device_kind": "TPU v5", "backend":
-            "pallas_tpu", "tokens_per_chip": 196608, "block_q": 512, "block_k": 512,
-            "hbm": 95 * 2**30, "arguments": 2**30, "temporaries": 2**30, "outputs": 2**30,
-            "total": 3 * 2**30, "fits": True, "permutes_per_step": [1, 2], "all_gathers": 0,
-            "out_of_memory": None}
+            "pallas_tpu", "strategy": "ring", "mode": "train", "tokens_per_chip": 196608,
+            "block_q": 512, "block_k": 512, "hbm": 95 * 2**30, "arguments": 2**30,
+            "temporaries": 2**30, "outputs": 2**30, "total": 3 * 2**30, "fits": True,
+            "permutes_per_step": [1, 2], "all_gathers": 0, "out_of_memory": None,
+            "breakdown": None, "unavoidable": 2 * 2**30}
   return report | changes
+
+
+def _flags(**changes):
+  return types.SimpleNamespace(**({
+      "topology": "v5p:2x2x2", "batch": 1, "seq_len": 196608 * 8, "heads": 32,
+      "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "causal": True, "mode": "train",
+      "backend": "auto", "strategy": "ring", "max_seq_len": False} | changes))
 
 
 @pytest.mark.parametrize("report,status,says", [
@@ -104,10 +121,7 @@ def _report(**changes):
      "does not fit: HBM needs 124.91 GiB of 95.73 GiB available"),
 ])
 def test_main_exits_1_when_the_plan_does_not_fit(monkeypatch, capsys, report, status, says):
-  flag_values = types.SimpleNamespace(topology="v5p:2x2x2", batch=1, seq_len=196608 * 8,
-                                      heads=32, kv_heads=8, head_dim=128, dtype="bfloat16",
-                                      causal=True, mode="train", backend="auto")
-  monkeypatch.setattr(planner, "FLAGS", flag_values)
+  monkeypatch.setattr(planner, "FLAGS", _flags())
   monkeypatch.setattr(planner, "plan", lambda *args, **kwargs: report)
   if status is None:
     planner.main([])
@@ -129,3 +143,47 @@ def test_topology_names_give_their_chips(topology, chips):
 def test_malformed_topologies_are_usage_errors(topology):
   with pytest.raises(UsageError, match="--topology"):
     planner.topology_chips(topology)
+
+
+def _linear_probe(per_token, fixed, hbm, calls):
+  """A plan whose total is fixed + per_token * n, as compiled programs are (about)."""
+  def probe(n):
+    calls.append(n)
+    total = fixed + per_token * n
+    return _report(tokens_per_chip=n, total=total, hbm=hbm, fits=total <= hbm)
+  return probe
+
+
+@pytest.mark.parametrize("per_token,start", [(112 * 2**10, 16384), (600 * 2**10, 16384),
+                                             (2 * 2**20, 1024)])
+def test_longest_finds_the_limit_in_a_few_compiles(per_token, start):
+  hbm, fixed, calls = 95 * 2**30, 2**30, []
+  best, runs = planner.longest(_linear_probe(per_token, fixed, hbm, calls), start=start)
+  exact = (hbm - fixed) // per_token
+  assert best % planner.SEARCH_QUANTUM == 0 and best <= exact
+  assert exact - best <= max(planner.SEARCH_QUANTUM, exact * planner.SEARCH_PRECISION)
+  assert len(runs) == len(calls) <= 8, calls
+  assert any(r["fits"] for r in runs) and not all(r["fits"] for r in runs)
+
+
+def test_longest_says_none_when_nothing_fits():
+  best, runs = planner.longest(lambda n: _report(tokens_per_chip=n, fits=False), start=8192)
+  assert best is None and [r["tokens_per_chip"] for r in runs] == [8192, 4096, 2048, 1024]
+
+
+def test_main_max_seq_len_prints_every_compile_and_the_longest(monkeypatch, capsys):
+  calls = []
+  probe = _linear_probe(112 * 2**10, 2**30, 95 * 2**30, calls)
+
+  def fake_plan(topology, *, seq_len, breakdown=True, **model):
+    del topology, breakdown, model
+    return probe(seq_len // 8) | {"tokens_per_chip": seq_len // 8}
+
+  monkeypatch.setattr(planner, "FLAGS", _flags(max_seq_len=True, seq_len=1004))
+  monkeypatch.setattr(planner, "plan", fake_plan)
+  planner.main([])
+  out = capsys.readouterr().out
+  best = calls[-1]
+  assert f"longest: {best * 8} tokens ({best} per chip)" in out
+  assert out.count("tokens per chip (") == len(calls) - 1      # the last is the plan itself
+  assert f"{calls[0]} tokens per chip ({calls[0] * 8} in all)" in out

@@ -3,7 +3,10 @@ kernels included, on topology devices from libtpu; no TPU needed.
 
 Compiles value_and_grad of a loss over ringflash.ring_attention (bf16, GQA 8:2, causal and
 not) and reads the compiled HLO: the Mosaic kernels are there, K/V move only by
-collective-permute, and each ring step's permute is in flight around the kernel.
+collective-permute, and each ring step's permute is in flight around the kernel. The
+vocabulary of real models compiles too (soft-cap, MLA's 192 / 128 head dims, H = 96), a
+length per chip past the SMEM limit of the kernels' earlier per-tile flags fits, and a local
+length the kernels cannot tile is refused before Mosaic sees it.
 """
 
 from __future__ import annotations
@@ -33,31 +36,44 @@ TOPOLOGIES = ["v4:2x2x2", "v5e:2x4", "v5p:2x2x2", "v6e:2x4"]
 B, T, N, K, H = 1, 8 * 1024, 8, 2, 128      # 1024 tokens per chip
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(topology: str, causal: bool, head_dim: int = H, heads: int = N, kv_heads: int = K):
+def _mesh(topology: str):
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
-  mesh = Mesh(np.array(devices), ("sp",))
+  return Mesh(np.array(devices), ("sp",))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(topology: str, causal: bool, head_dim: int = H, heads: int = N, kv_heads: int = K,
+              head_dim_v: int | None = None, softcap: float | None = None,
+              per_chip: int | None = None):
+  """(HLO text, memory analysis) of value_and_grad of a loss over ring_attention."""
+  mesh = _mesh(topology)
   sharding = NamedSharding(mesh, P(None, "sp", None, None))
+  t = T if per_chip is None else per_chip * mesh.size
 
   def loss(q, k, v):
-    out = ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal)
+    out = ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal, strategy="ring",
+                                   logits_soft_cap=softcap)
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
-          for shape in ((B, T, heads, head_dim), (B, T, kv_heads, head_dim),
-                        (B, T, kv_heads, head_dim))]
+          for shape in ((B, t, heads, head_dim), (B, t, kv_heads, head_dim),
+                        (B, t, kv_heads, head_dim_v or head_dim))]
   compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
-  return compiled.as_text()
+  return compiled.as_text(), compiled.memory_analysis()
+
+
+def _kernels(hlo: str) -> set[str]:
+  return set(re.findall(
+      r"%(ringflash_\w+?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"", hlo))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_compiles_with_mosaic_kernels_and_moves_kv_only_by_permute(topology, causal):
-  hlo = _compiled(topology, causal)
-  kernels = re.findall(r"%(ringflash_\w+?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"",
-                       hlo)
-  assert {"ringflash_fwd", "ringflash_bwd_dkv", "ringflash_bwd_dq"} <= set(kernels), kernels
+  hlo, _ = _compiled(topology, causal)
+  kernels = _kernels(hlo)
+  assert {"ringflash_fwd", "ringflash_bwd_dkv", "ringflash_bwd_dq"} <= kernels, kernels
   assert "collective-permute-start" in hlo and "collective-permute-done" in hlo
   for op in ("all-gather", "all-to-all"):
     assert not re.search(rf"\s{op}(-start)?\(", hlo), f"{op} in the compiled program"
@@ -67,10 +83,47 @@ def test_compiles_with_mosaic_kernels_and_moves_kv_only_by_permute(topology, cau
     ("v5p:2x2x2", 8, 2, 64), ("v5p:2x2x2", 8, 2, 256),
     ("v4:2x2x2", 32, 2, 128)])    # GQA group 16 on v4's 16 MiB of VMEM: shorter query tiles
 def test_other_shapes_compile_with_mosaic_kernels(topology, heads, kv_heads, head_dim):
-  hlo = _compiled(topology, True, head_dim, heads, kv_heads)
-  kernels = re.findall(r"%(ringflash_\w+?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"",
-                       hlo)
-  assert {"ringflash_fwd", "ringflash_bwd_dkv", "ringflash_bwd_dq"} <= set(kernels), kernels
+  hlo, _ = _compiled(topology, True, head_dim, heads, kv_heads)
+  kernels = _kernels(hlo)
+  assert {"ringflash_fwd", "ringflash_bwd_dkv", "ringflash_bwd_dq"} <= kernels, kernels
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v,softcap", [(192, 128, 30.0), (96, None, None)],
+                         ids=["mla-192-128-softcap", "head-dim-96"])
+def test_vocabulary_of_real_models_compiles_with_mosaic_kernels(head_dim, head_dim_v, softcap):
+  """Soft-capped logits with MLA's head dims (q, k 192; v, out 128), and a head dim that is
+  not a multiple of 128, in the kernels on v5p: blocks keep the head dim whole."""
+  hlo, _ = _compiled("v5p:2x2x2", True, head_dim, head_dim_v=head_dim_v, softcap=softcap)
+  kernels = _kernels(hlo)
+  assert {"ringflash_fwd", "ringflash_bwd_dkv", "ringflash_bwd_dq"} <= kernels, kernels
+  if head_dim_v is not None:     # each device's output [B, T / 8, N, Hv], in the input dtype
+    assert f"bf16[{B},{T // 8},{N},{head_dim_v}]" in hlo
+
+
+def test_a_length_past_the_smem_limit_of_per_tile_flags_fits():
+  """262,144 tokens per chip, training step on v5p:2x2x2 (GQA 8:2, causal): the per-tile
+  flags of earlier kernels ((T / 512)^2 int32, twice) needed 2 MiB of the 1 MiB of SMEM and
+  the compile failed; per-tile ranges need a few KiB. The step fits the chip's HBM."""
+  hlo, mem = _compiled("v5p:2x2x2", True, per_chip=262144)
+  assert {"ringflash_fwd", "ringflash_bwd_dkv", "ringflash_bwd_dq"} <= _kernels(hlo)
+  total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+  assert total < 95 * 2**30, total
+
+
+def test_a_local_length_the_kernels_cannot_tile_is_refused_before_mosaic():
+  """1000 tokens striped over 8 chips: 125 per chip reached Mosaic once and died there
+  ("Invalid vector register cast"); now the named backend refuses it with the reason."""
+  mesh = _mesh("v5p:2x2x2")
+  sharding = NamedSharding(mesh, P(None, "sp", None, None))
+  args = [jax.ShapeDtypeStruct((1, 1000, h, H), jnp.bfloat16, sharding=sharding)
+          for h in (N, K, K)]
+
+  def attn(q, k, v):
+    return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=True, layout="striped",
+                                    backend="pallas_tpu", strategy="ring")
+
+  with pytest.raises(NotImplementedError, match="multiples of 8"):
+    jax.jit(attn).lower(*args)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,7 +137,7 @@ def _schedule(topology: str, per_chip: int, kv_heads: int) -> str:
   t = per_chip * len(devices)
 
   def loss(q, k, v):
-    out = ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=True)
+    out = ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=True, strategy="ring")
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)

@@ -4,16 +4,27 @@ Example:
   ringflash plan --topology v5p:4x4x4 --batch 1 --seq_len 1048576 --heads 32 --kv_heads 8 \
       --head_dim 128 --dtype bfloat16 --causal --mode train
 
+  ringflash plan --topology v5p:2x2x2 --heads 32 --kv_heads 8 --head_dim 128 --causal \
+      --max_seq_len
+
 Compiles deviceless for the topology (libtpu's TPU compiler, Mosaic kernels included), with the
 sequence sharded over a ring of all its chips, and prints per-device memory from the compiled
 program (arguments, temporaries, outputs), whether it fits the chip's HBM, the number of
-collective-permutes per ring step and the kernel block sizes.
+collective-permutes per ring step and the kernel block sizes; then what the temporaries are at
+their peak (the buffers live at that point of the schedule, from the compiler's buffer
+assignment, grouped by what they hold), against the step's unavoidable arrays (q, k, v, out,
+lse, dout, the gradients and their fp32 accumulators).
+
+--max_seq_len (or --max-seq-len) finds the longest sequence that fits the topology instead, by
+compiling (`longest`: --seq_len first, then extrapolation, as memory is linear in the length,
+then bisection to 1/64, in multiples of 1024 tokens per chip); it prints every length it
+compiled and the plan of the longest.
 
 When it does not fit, the command says so and exits with status 1: either the compiled
 program's total exceeds the chip's HBM, or the TPU compiler itself ran out of a memory
 (HBM, or a kernel's VMEM or SMEM), e.g.
 
-  does not fit: SMEM needs 1.13 MiB of 1.00 MiB available (the TPU compiler ran out of memory)
+  does not fit: HBM needs 124.91 GiB of 95.73 GiB available (the TPU compiler ran out of memory)
 
 Flags are checked before anything is compiled; a mistake is one line and status 2.
 """
@@ -36,6 +47,10 @@ from ringflash.cli import hlo
 FLAGS = flags.FLAGS
 
 BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+STRATEGIES = ("ring", "auto", "allgather", "ulysses")
+# --max_seq_len: tokens per chip are multiples of this, and the search stops within 1/64.
+SEARCH_QUANTUM = 1024
+SEARCH_PRECISION = 1 / 64
 
 
 def define_flags() -> None:
@@ -54,6 +69,10 @@ def define_flags() -> None:
   flags.DEFINE_enum("mode", "train", ["forward", "train"],
                     "forward only, or forward + backward (value_and_grad)")
   flags.DEFINE_enum("backend", "auto", list(BACKENDS), "ringflash backend")
+  flags.DEFINE_enum("strategy", "ring", list(STRATEGIES), "ringflash strategy (a 1-D mesh)")
+  flags.DEFINE_boolean("max_seq_len", False, "find the longest sequence that fits, by "
+                       "compiling (--seq_len is the first length tried)")
+  flags.DEFINE_alias("max-seq-len", "max_seq_len")
 
 
 # HBM per chip, by the topology name's prefix.
@@ -96,7 +115,7 @@ def check_flags(f) -> None:
       raise UsageError(f"--{name} must be > 0, got {getattr(f, name)}")
   if f.heads % f.kv_heads:
     raise UsageError(f"--kv_heads={f.kv_heads} must divide --heads={f.heads} (GQA)")
-  if f.seq_len % chips:
+  if f.seq_len % chips and not getattr(f, "max_seq_len", False):
     raise UsageError(f"--seq_len={f.seq_len} must be divisible by the {chips} chips of "
                      f"--topology={f.topology}")
 
@@ -207,14 +226,21 @@ def topology_devices(topology: str) -> list:
 
 
 def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
-         head_dim: int, dtype: str, causal: bool, mode: str, backend: str = "auto") -> dict:
+         head_dim: int, dtype: str, causal: bool, mode: str, backend: str = "auto",
+         strategy: str = "ring", breakdown: bool = True) -> dict:
   """Compiles the attention step for `topology` without a TPU; returns the figures.
 
+  Args:
+    breakdown: also read what the temporaries are at their peak (the compiler's buffer
+      assignment, dumped to a temporary directory).
+
   Returns:
-    {topology, chips, device_kind, backend, tokens_per_chip, block_q, block_k, arguments,
-    temporaries, outputs, total, hbm, fits, permutes_per_step, all_gathers, out_of_memory}.
-    When the TPU compiler ran out of memory, out_of_memory is its OutOfMemory, fits is
-    False and the compiled program's figures (arguments ... all_gathers) are None.
+    {topology, chips, device_kind, backend, strategy, mode, tokens_per_chip, block_q, block_k,
+    arguments, temporaries, outputs, total, hbm, fits, permutes_per_step, all_gathers,
+    out_of_memory, breakdown, unavoidable}. When the TPU compiler ran out of memory,
+    out_of_memory is its OutOfMemory, fits is False and the compiled program's figures
+    (arguments ... all_gathers, breakdown) are None. breakdown is a Breakdown (None when not
+    asked or not readable); unavoidable the bytes of the step's unavoidable arrays.
 
   Raises:
     UsageError: libtpu rejects the topology, seq_len does not divide over its devices, or
@@ -244,12 +270,16 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
   except (ValueError, NotImplementedError) as err:
     raise UsageError(f"--backend={backend} cannot run these flags: {err}") from None
   hbm = HBM_BYTES.get(topology.split(":")[0])
+  shapes = Shapes(batch=batch, tokens=seq_len // ring, heads=heads, kv_heads=kv_heads,
+                  head_dim=head_dim, dtype=dtype, train=mode == "train")
   report = {
       "topology": topology, "chips": ring, "device_kind": devices[0].device_kind,
-      "backend": spec.backend, "tokens_per_chip": seq_len // ring,
+      "backend": spec.backend, "strategy": strategy, "mode": mode,
+      "tokens_per_chip": seq_len // ring,
       "block_q": spec.kernel.block_q, "block_k": spec.kernel.block_k, "hbm": hbm,
       "arguments": None, "temporaries": None, "outputs": None, "total": None, "fits": None,
       "permutes_per_step": None, "all_gathers": None, "out_of_memory": None,
+      "breakdown": None, "unavoidable": shapes.unavoidable(),
   }
 
   mesh = Mesh(np.array(devices), ("sp",))
@@ -258,20 +288,25 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
           for h in (heads, kv_heads, kv_heads)]
 
   def attn(q, k, v):
-    return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal, backend=backend)
+    return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal, backend=backend,
+                                    strategy=strategy)
 
   if mode == "train":
     fn = jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) ** 2),
                             argnums=(0, 1, 2))
   else:
     fn = attn
-  try:
-    compiled = jax.jit(fn).lower(*args).compile()
-  except jax.errors.JaxRuntimeError as err:
-    oom = parse_out_of_memory(str(err))
-    if oom is None:
-      raise
-    return report | {"fits": False, "out_of_memory": oom}
+  with tempfile.TemporaryDirectory(prefix="ringflash_plan_") as dump:
+    try:
+      lowered = jax.jit(fn).lower(*args)
+      compiled = (lowered.compile(compiler_options={"xla_dump_to": dump}) if breakdown
+                  else lowered.compile())
+    except jax.errors.JaxRuntimeError as err:
+      oom = parse_out_of_memory(str(err))
+      if oom is None:
+        raise
+      return report | {"fits": False, "out_of_memory": oom}
+    found = read_breakdown(dump, shapes) if breakdown else None
   mem = compiled.memory_analysis()
   text = compiled.as_text()
   total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
@@ -281,46 +316,303 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
       "fits": None if hbm is None else total <= hbm,
       "permutes_per_step": _permutes_per_loop_body(text),
       "all_gathers": len(re.findall(r" all-gather(?:-start)?\(", text)),
+      "breakdown": found,
   }
 
 
 def _permutes_per_loop_body(text: str) -> list[int]:
-  """Collective-permutes in each while-loop body of a compiled module, in order.
-
-  A ring loop body runs one step; it sends one permute per array that travels (k and v as
-  one array; in the backward also the dk/dv accumulators, one array; segment ids if given).
-  Asynchronous permutes are counted by their start, synchronous ones as they are.
-  """
+  """Collective-permutes in each while-loop body of a compiled module, in order: a ring step
+  sends one per array that travels (k and v as one; in the backward also the dk/dv
+  accumulators; segment ids if given); asynchronous ones counted by their start."""
   comps, _ = hlo.computations(text)
   bodies = hlo.loop_bodies(comps)
   counts = [sum(map(hlo.is_permute, lines)) for name, lines in comps.items() if name in bodies]
   return [c for c in counts if c]
 
 
+# ---------------------------------------------------------------------------------------------
+# What the temporaries are: the buffers live at their peak.
+
+_HLO_TYPES = {"bfloat16": ("bf16", 2), "float16": ("f16", 2), "float32": ("f32", 4)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+  """Per-device sizes of the step's arrays, to name buffers and count the unavoidable ones:
+  batch B, tokens T per chip (S = T), heads N, kv_heads K, head_dim H, the input dtype's
+  name, train (forward + backward) or forward only."""
+
+  batch: int
+  tokens: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  dtype: str
+  train: bool
+
+  def unavoidable(self) -> int:
+    """Bytes of the step's unavoidable arrays on one device: q, k, v, out, lse, and in
+    training dout, dq, dk, dv (input dtype) and the fp32 accumulators of dq, dk and dv; in the
+    forward the fp32 accumulator of out."""
+    b, t, n, k, h = self.batch, self.tokens, self.heads, self.kv_heads, self.head_dim
+    isz = _HLO_TYPES[self.dtype][1]
+    qo, kv, lse = b * t * n * h, 2 * b * t * k * h, 4 * b * n * t
+    inputs = (2 * qo + kv) * isz + lse                         # q, k, v, out, lse
+    if not self.train:
+      return inputs + 4 * qo                                   # + fp32 accumulator of out
+    return inputs + (2 * qo + kv) * isz + 4 * (qo + kv)        # + dout, grads, fp32 acc
+
+  def role(self, dtype: str, elements: int) -> str:
+    """What a buffer of this dtype and size holds, by its size."""
+    b, t, n, k, h = self.batch, self.tokens, self.heads, self.kv_heads, self.head_dim
+    own = _HLO_TYPES[self.dtype][0]
+    names = {
+        b * t * n * h: ("o or dq, fp32: accumulator, or one hop's kernel output",
+                        "q, out, dout (or their copies)"),
+        2 * b * t * k * h: ("dK/dV, fp32: accumulator, in flight", "K/V: held, in flight"),
+        b * t * k * h: ("dk or dv, fp32", "k or v"),
+        b * n * t: ("row statistics (lse, D), fp32", "row statistics"),
+    }
+    if elements in names:
+      fp32, other = names[elements]
+      if dtype == "f32":
+        return fp32
+      if dtype == own:
+        return other + f" ({dtype})"
+    return "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+  """A temporary: its HLO value (ringflash_bwd_dq.11, collective-permute-start.2{1}), type
+  (f32[1,131072,32,128]) and bytes as allocated (tiles padded)."""
+
+  name: str
+  type: str
+  size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+  """The temporaries at their peak: bytes of their allocation (buffers of different lifetimes
+  packed into it, at least the peak), bytes live at the peak of the schedule, those buffers
+  (largest first), and (role, bytes, count, names) of them grouped by what they hold."""
+
+  allocated: int
+  peak: int
+  live: tuple[Buffer, ...]
+  groups: tuple[tuple[str, int, int, tuple[str, ...]], ...]
+
+
+_VALUE = re.compile(r"\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): "
+                    r"(\w+)(\[[\d,]*\])")
+_RANGE = re.compile(r"\s*(\S+):(\d+)-(\d+)\s*$")
+
+
+def read_breakdown(dump_dir: str, shapes: Shapes) -> Breakdown | None:
+  """The buffers live at the peak of the temporaries, from the compiler's dump (its
+  after-optimizations buffer assignment and live ranges); None if the dump is not there or
+  not in the form this reads.
+
+  The temporaries are the largest "preallocated-temp" allocation of the default memory; its
+  values, each live over an interval of the flattened schedule, are summed at every point,
+  and those live where the sum is largest are the peak's.
+  """
+  names = os.listdir(dump_dir)
+  assignment = [n for n in names if n.endswith("after_optimizations-buffer-assignment.txt")]
+  ranges_file = [n for n in names if n.endswith("after_optimizations-live-range.txt")]
+  if len(assignment) != 1 or len(ranges_file) != 1:
+    return None
+  allocs, current = {}, None
+  with open(os.path.join(dump_dir, assignment[0])) as f:
+    for line in f:
+      head = re.match(r"allocation (\d+): size (\d+), (.*)", line)
+      if head:
+        current = int(head[1])
+        temp = "preallocated-temp" in head[3] and "color" not in head[3]
+        allocs[current] = (int(head[2]), temp, [])
+        continue
+      value = _VALUE.match(line)
+      if value and current is not None:
+        name = value[1] if "{" in value[1] else value[1] + "{}"
+        allocs[current][2].append(Buffer(name, value[3] + value[4], int(value[2])))
+      elif line.startswith("Used values") or line.startswith("Total bytes"):
+        break
+  temps = [a for a in allocs.values() if a[1]]
+  if not temps:
+    return None
+  allocated, _, values = max(temps, key=lambda a: a[0])
+  ranges, inside = {}, False
+  with open(os.path.join(dump_dir, ranges_file[0])) as f:
+    for line in f:
+      if "BufferLiveRange" in line:
+        inside = True
+      elif inside and (found := _RANGE.match(line)):
+        ranges[found[1]] = (int(found[2]), int(found[3]))
+  spans = [(ranges[v.name], v) for v in values if v.name in ranges and v.size > 0]
+  if not spans:
+    return None
+  events = sorted([(a, v.size) for (a, _), v in spans] + [(b + 1, -v.size) for (_, b), v in
+                                                          spans])
+  live = peak = 0
+  at = events[0][0]
+  for time, delta in events:
+    live += delta
+    if live > peak:
+      peak, at = live, time
+  held = sorted((v for (a, b), v in spans if a <= at <= b), key=lambda v: -v.size)
+  groups = {}
+  for v in held:
+    dtype, dims = v.type.split("[")
+    elements = math.prod(int(d) for d in dims.rstrip("]").split(",") if d)
+    role = shapes.role(dtype, elements)
+    size, count, members = groups.get(role, (0, 0, ()))
+    groups[role] = (size + v.size, count + 1, members + (v.name.replace("{}", ""),))
+  ordered = sorted(((r,) + g for r, g in groups.items()), key=lambda g: -g[1])
+  return Breakdown(allocated, peak, tuple(held), tuple(ordered))
+
+
+# ---------------------------------------------------------------------------------------------
+# The longest sequence that fits.
+
+def longest(probe, *, start: int, quantum: int = SEARCH_QUANTUM,
+            precision: float = SEARCH_PRECISION):
+  """The largest tokens-per-chip n (a multiple of `quantum`) with probe(n)["fits"], and every
+  probe's report, in the order they ran.
+
+  probe(n) compiles at n tokens per chip and returns a plan's report. Memory is about linear
+  in n: from the last two lengths that fit, the next is just below where their line reaches
+  the HBM (at most 64 times the longest that fits; without a line, twice it), or, once that
+  point fits, just above it; the first that does not fit brackets the limit, and bisection
+  narrows the bracket to `precision` of the answer. A length that fails for another memory
+  (VMEM, SMEM) counts as not fitting; its report says which.
+
+  Returns:
+    (n, or None when not even `quantum` tokens fit; [report, ...]).
+  """
+  runs = []
+
+  def fits(n):
+    runs.append(probe(n))
+    return bool(runs[-1]["fits"])
+
+  def down(n):
+    return max(quantum, int(n) // quantum * quantum)
+
+  n = down(start)
+  if fits(n):
+    lo, hi = n, None
+  else:
+    lo, hi = None, n
+    while lo is None:
+      if hi <= quantum:
+        return None, runs
+      n = down(hi // 2)
+      if fits(n):
+        lo = n
+      else:
+        hi = n
+  while hi is None:
+    ok = [r for r in runs if r["fits"]]
+    guess = 2 * lo
+    if len(ok) >= 2 and ok[-1]["hbm"] and ok[-1]["total"] > ok[-2]["total"]:
+      a, b = ok[-2], ok[-1]
+      slope = (b["total"] - a["total"]) / (b["tokens_per_chip"] - a["tokens_per_chip"])
+      line = b["tokens_per_chip"] + (b["hbm"] - b["total"]) / slope
+      guess = line * (1 - precision)
+      if guess <= lo * (1 + precision):
+        guess = lo * (1 + 2 * precision) + quantum
+    n = max(down(min(guess, 64 * lo)), lo + quantum)
+    if fits(n):
+      lo = n
+    else:
+      hi = n
+  while hi - lo > max(quantum, precision * lo):
+    n = down((lo + hi) // 2)
+    if n <= lo:
+      break
+    if fits(n):
+      lo = n
+    else:
+      hi = n
+  return lo, runs
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing.
+
 def _gib(x):
   return f"{x / 2**30:8.2f} GiB"
+
+
+def _kib(x):
+  return f"{x / 2**10:.1f} KiB"
+
+
+def _model(f) -> str:
+  return (f"{f.mode}, {'causal' if f.causal else 'full'}, B={f.batch}, N={f.heads}, "
+          f"K={f.kv_heads}, H={f.head_dim}, {f.dtype}")
+
+
+def print_plan(r) -> None:
+  """The plan's figures, breakdown included."""
+  print(f"{r['topology']} ({r['chips']} x {r['device_kind']}), backend {r['backend']}, "
+        f"strategy {r['strategy']}, {r['tokens_per_chip']} tokens per chip, blocks "
+        f"bq={r['block_q']} bk={r['block_k']}")
+  if r["out_of_memory"] is not None:
+    print(f"  does not fit: {r['out_of_memory']} (the TPU compiler ran out of memory)",
+          flush=True)
+    return
+  per_token = r["total"] / r["tokens_per_chip"]
+  print(f"  per device  arguments {_gib(r['arguments'])}  temporaries {_gib(r['temporaries'])}"
+        f"  outputs {_gib(r['outputs'])}  total {_gib(r['total'])}  ({_kib(per_token)} per "
+        f"token)")
+  if r["hbm"] is not None:
+    room = r["hbm"] - r["total"]
+    print(f"  HBM {_gib(r['hbm'])}: {'fits' if r['fits'] else 'DOES NOT FIT'} "
+          f"({_gib(abs(room)).strip()} {'left' if room >= 0 else 'short'})")
+  print(f"  collective-permutes per ring step (per loop body): {r['permutes_per_step']}; "
+        f"all-gathers: {r['all_gathers']}")
+  b = r["breakdown"]
+  if b is not None:
+    print(f"  temporaries at their peak: {_gib(b.peak).strip()} live of "
+          f"{_gib(b.allocated).strip()} allocated")
+    for role, size, count, members in b.groups:
+      shown = ", ".join(members[:3]) + (", ..." if len(members) > 3 else "")
+      print(f"    {_gib(size)}  {count} x {role}   [{shown}]")
+  arrays = ("q, k, v, out, lse, dout, the gradients, fp32 accumulators of dq, dk, dv"
+            if r["mode"] == "train" else "q, k, v, out, lse, the fp32 accumulator of out")
+  print(f"  unavoidable ({arrays}): {_gib(r['unavoidable']).strip()}; total / unavoidable "
+        f"{r['total'] / r['unavoidable']:.2f}", flush=True)
 
 
 def main(argv):
   """Checks the flags, compiles, prints the plan; exits with status 1 when it does not fit."""
   del argv
   check_flags(FLAGS)
-  r = plan(FLAGS.topology, batch=FLAGS.batch, seq_len=FLAGS.seq_len, heads=FLAGS.heads,
-           kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim, dtype=FLAGS.dtype,
-           causal=FLAGS.causal, mode=FLAGS.mode, backend=FLAGS.backend)
-  print(f"{r['topology']} ({r['chips']} x {r['device_kind']}), backend {r['backend']}, "
-        f"{r['tokens_per_chip']} tokens per chip, blocks bq={r['block_q']} bk={r['block_k']}")
-  if r["out_of_memory"] is not None:
-    print(f"  does not fit: {r['out_of_memory']} (the TPU compiler ran out of memory)",
+  model = dict(batch=FLAGS.batch, heads=FLAGS.heads, kv_heads=FLAGS.kv_heads,
+               head_dim=FLAGS.head_dim, dtype=FLAGS.dtype, causal=FLAGS.causal,
+               mode=FLAGS.mode, backend=FLAGS.backend, strategy=FLAGS.strategy)
+  if FLAGS.max_seq_len:
+    chips = topology_chips(FLAGS.topology)
+    print(f"longest sequence that fits {FLAGS.topology} ({_model(FLAGS)}), by compiling:",
           flush=True)
-    raise SystemExit(1)
-  print(f"  per device  arguments {_gib(r['arguments'])}  temporaries {_gib(r['temporaries'])}"
-        f"  outputs {_gib(r['outputs'])}  total {_gib(r['total'])}")
-  if r["hbm"] is not None:
-    room = r["hbm"] - r["total"]
-    print(f"  HBM {_gib(r['hbm'])}: {'fits' if r['fits'] else 'DOES NOT FIT'} "
-          f"({_gib(abs(room)).strip()} {'left' if room >= 0 else 'short'})")
-  print(f"  collective-permutes per ring step (per loop body): {r['permutes_per_step']}; "
-        f"all-gathers: {r['all_gathers']}", flush=True)
-  if r["fits"] is False:
+
+    def probe(n):
+      r = plan(FLAGS.topology, seq_len=n * chips, breakdown=False, **model)
+      said = (f"{_gib(r['total']).strip()}  {'fits' if r['fits'] else 'DOES NOT FIT'}"
+              if r["out_of_memory"] is None else f"does not fit: {r['out_of_memory']}")
+      print(f"  {n:>9} tokens per chip ({n * chips} in all): {said}", flush=True)
+      return r
+
+    best, _ = longest(probe, start=max(SEARCH_QUANTUM, FLAGS.seq_len // chips))
+    if best is None:
+      print(f"  not even {SEARCH_QUANTUM} tokens per chip fit", flush=True)
+      raise SystemExit(1)
+    print(f"longest: {best * chips} tokens ({best} per chip)\n", flush=True)
+    print_plan(plan(FLAGS.topology, seq_len=best * chips, **model))
+    return
+  r = plan(FLAGS.topology, seq_len=FLAGS.seq_len, **model)
+  print_plan(r)
+  if r["out_of_memory"] is not None or r["fits"] is False:
     raise SystemExit(1)

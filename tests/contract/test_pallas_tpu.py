@@ -1,6 +1,7 @@
 """The contract cases on the pallas_tpu backend, its Mosaic kernels run in Pallas interpret
-mode on the CPU devices (tests/contract/base.py). The default tiles of 16 tokens per device
-are whole local lengths (TPU tiling allows a block equal to the array)."""
+mode on the CPU devices (tests/contract/base.py), with every feature of the contract. The
+default tiles of 16 tokens per device are whole local lengths (TPU tiling allows a block equal
+to the array)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from contract import base
 class TestPallasTpu(base.ContractTests):
   BACKEND = "pallas_tpu"
   SHARD_MAP_CHECK_VMA = False        # interpret mode (tests/test_ring.py checks the error)
-  FEATURES = base.ContractTests.FEATURES - {"softcap", "value_dim"}
 
   def block_sizes(self, q_len, kv_len):
     # Several tiles per block pair where the lengths allow (kernel cases: 256 tokens), the
