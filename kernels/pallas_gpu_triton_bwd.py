@@ -64,6 +64,24 @@ def _scores(q, k, scale, softcap):
   return softcap * t, 1.0 - t * t
 
 
+def _tile(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, *, scale, causal, window, softcap):
+  """(p, ds) of one (query tile, key tile): q [bq, H], k [bk, H], v [bk, Hv], do [bq, Hv],
+  lse and delta [bq], positions and segment ids (or None) of the rows and keys. Masked pairs
+  are exact zeros in both, also where D is NaN."""
+  s, dcap = _scores(q, k, scale, softcap)           # [bq, bk]
+  p = jnp.exp(s - lse[:, None])
+  valid = base.pair_mask(qpos[:, None], kpos[None, :],
+                         None if qseg is None else qseg[:, None],
+                         None if kseg is None else kseg[None, :], causal=causal, window=window)
+  ds = p * (_dot(do, v.T) - delta[:, None])
+  if dcap is not None:
+    ds = ds * dcap
+  if valid is not None:
+    p = jnp.where(valid, p, 0.0)
+    ds = jnp.where(valid, ds, 0.0)
+  return p, ds
+
+
 def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
                qseg_ref, kseg_ref, rng_ref, dq_ref, *, scale, causal, window, softcap, bk):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
@@ -77,20 +95,9 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_r
   def body(j, dq):
     ks = pl.ds(j * bk, bk)
     kt = k_ref[ks, :]                               # [bk, H]
-    vt = v_ref[ks, :]
-    s, dcap = _scores(q, kt, scale, softcap)        # [bq, bk]
-    p = jnp.exp(s - lse[:, None])
     kseg = None if kseg_ref is None else kseg_ref[ks]
-    valid = base.pair_mask(qpos[:, None], kpos_ref[ks][None, :],
-                           None if qseg is None else qseg[:, None],
-                           None if kseg is None else kseg[None, :], causal=causal, window=window)
-    dp = _dot(do, vt.T)
-    ds = p * (dp - delta[:, None])
-    if dcap is not None:
-      ds = ds * dcap
-    if valid is not None:       # masked pairs: exact zeros, also where D is NaN
-      p = jnp.where(valid, p, 0.0)
-      ds = jnp.where(valid, ds, 0.0)
+    _, ds = _tile(q, kt, v_ref[ks, :], do, lse, delta, qpos, kpos_ref[ks], qseg, kseg,
+                  scale=scale, causal=causal, window=window, softcap=softcap)
     return dq + _dot(ds.astype(kt.dtype), kt)
 
   lo = rng_ref[0]
@@ -118,20 +125,9 @@ def _dkv_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_
       dot_ = do_ref[qs, g, :]
       lse = lse_ref[g, qs]                          # [bq]
       delta = delta_ref[g, qs]
-      s, dcap = _scores(qt, kt, scale, softcap)     # [bq, bk]
-      p = jnp.exp(s - lse[:, None])
       qseg = None if qseg_ref is None else qseg_ref[qs]
-      valid = base.pair_mask(qpos_ref[qs][:, None], kpos[None, :],
-                             None if qseg is None else qseg[:, None],
-                             None if kseg is None else kseg[None, :], causal=causal,
-                             window=window)
-      dp = _dot(dot_, vt.T)
-      ds = p * (dp - delta[:, None])
-      if dcap is not None:
-        ds = ds * dcap
-      if valid is not None:     # masked pairs: exact zeros, also where D is NaN
-        p = jnp.where(valid, p, 0.0)
-        ds = jnp.where(valid, ds, 0.0)
+      p, ds = _tile(qt, kt, vt, dot_, lse, delta, qpos_ref[qs], kpos, qseg, kseg, scale=scale,
+                    causal=causal, window=window, softcap=softcap)
       dv = dv + _dot(p.astype(dot_.dtype).T, dot_)
       dk = dk + _dot(ds.astype(qt.dtype).T, qt)
       return dk, dv

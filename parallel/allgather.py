@@ -21,9 +21,7 @@ done before the kernel rather than overlapped with it.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,31 +31,8 @@ from ringflash.parallel import local
 from ringflash.parallel import plan as ring_plan
 
 
-@dataclasses.dataclass(frozen=True)
-class GatherSpec:
-  """Static part of the all-gather strategy.
-
-  Attributes:
-    local: the kernel spec and backend (parallel.local.LocalSpec).
-    axis_name: the mesh axis (or axes, first major) the sequence is sharded over.
-    size: devices along it.
-    layout: "contiguous", "zigzag" or "striped".
-  """
-
-  local: local.LocalSpec
-  axis_name: str | tuple[str, ...]
-  size: int
-  layout: str = "contiguous"
-
-
-class _Residuals(NamedTuple):
-  q: jax.Array
-  k: jax.Array
-  v: jax.Array
-  out: jax.Array
-  lse: jax.Array
-  q_seg: jax.Array | None
-  kv_seg: jax.Array | None
+class GatherSpec(local.MeshSpec):
+  """Static part of the all-gather strategy (fields: local.MeshSpec)."""
 
 
 def _gather(x, spec: GatherSpec):
@@ -107,10 +82,10 @@ def allgather_attention_local(q, k, v, q_seg, kv_seg, spec: GatherSpec):
 
 def _fwd(q, k, v, q_seg, kv_seg, spec):
   out, lse = _forward(q, k, v, q_seg, kv_seg, spec)
-  return (out, lse), _Residuals(q, k, v, out, lse, q_seg, kv_seg)
+  return (out, lse), local.Residuals(q, k, v, out, lse, q_seg, kv_seg)
 
 
-def _bwd(spec, res: _Residuals, cotangents):
+def _bwd(spec, res: local.Residuals, cotangents):
   dout, dlse = cotangents
   q_pos, k_pos, order, back = _positions(spec, res.q.shape[1], res.k.shape[1])
   dq, dk, dv = local.backward(res.q, _keys(res.k, spec, order), _keys(res.v, spec, order),

@@ -31,6 +31,36 @@ class LocalSpec:
   backend: str
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+  """Static part of a strategy that moves whole sequences over a mesh axis (all-gather,
+  Ulysses: each subclasses it).
+
+  Attributes:
+    local: the kernel spec and backend (LocalSpec).
+    axis_name: the mesh axis (or axes, first major) the sequence is sharded over.
+    size: devices along it.
+    layout: "contiguous", "zigzag" or "striped".
+  """
+
+  local: LocalSpec
+  axis_name: str | tuple[str, ...]
+  size: int
+  layout: str = "contiguous"
+
+
+class Residuals(NamedTuple):
+  """What a strategy's backward needs: its inputs, the output and its fp32 lse."""
+
+  q: jax.Array          # [B, T, N, H]
+  k: jax.Array          # [B, S, K, H]
+  v: jax.Array          # [B, S, K, Hv]
+  out: jax.Array        # [B, T, N, Hv], input dtype
+  lse: jax.Array        # [B, N, T], float32
+  q_seg: jax.Array | None
+  kv_seg: jax.Array | None
+
+
 class _Residuals(NamedTuple):
   q: jax.Array
   k: jax.Array

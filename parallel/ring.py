@@ -51,7 +51,6 @@ a particular kernel.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,20 +58,12 @@ from jax import lax
 
 from ringflash.kernels import base
 from ringflash.kernels import get_backend
+from ringflash.parallel import local
 from ringflash.parallel import plan as ring_plan
 from ringflash.parallel.merge import merge
 
 
-class Residuals(NamedTuple):
-  """What the backward ring needs: inputs, the merged output and its fp32 lse."""
-
-  q: jax.Array          # [B, T, N, H]
-  k: jax.Array          # [B, S, K, H]
-  v: jax.Array          # [B, S, K, H]
-  out: jax.Array        # [B, T, N, H], input dtype
-  lse: jax.Array        # [B, N, T], float32
-  q_seg: jax.Array | None
-  kv_seg: jax.Array | None
+Residuals = local.Residuals
 
 
 def _shift_perm(ring_size: int, direction: int = 1):

@@ -23,8 +23,6 @@ The gradients follow the all-to-alls back (their transpose is an all-to-all).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 from jax import lax
 
@@ -32,21 +30,8 @@ from ringflash.parallel import local
 from ringflash.parallel import plan as ring_plan
 
 
-@dataclasses.dataclass(frozen=True)
-class UlyssesSpec:
-  """Static part of the Ulysses strategy.
-
-  Attributes:
-    local: the kernel spec and backend (parallel.local.LocalSpec).
-    axis_name: the mesh axis (or axes, first major) of the all-to-all.
-    size: devices along it.
-    layout: "contiguous", "zigzag" or "striped".
-  """
-
-  local: local.LocalSpec
-  axis_name: str | tuple[str, ...]
-  size: int
-  layout: str = "contiguous"
+class UlyssesSpec(local.MeshSpec):
+  """Static part of the Ulysses strategy (fields: local.MeshSpec)."""
 
 
 def unsupported_heads(n: int, k: int, size: int) -> str | None:

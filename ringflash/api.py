@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax import lax
 from jax.interpreters import ad
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ringflash import _inputs

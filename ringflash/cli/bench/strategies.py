@@ -76,7 +76,6 @@ def run(f) -> list[dict]:
   mesh = Mesh(np.array(devices), ("sp",))
   u = f.ulysses_size if p % max(f.ulysses_size, 1) == 0 and p > f.ulysses_size else 0
   mesh2 = Mesh(np.array(devices).reshape(p // u, u), ("ring", "u")) if u else None
-  one = Mesh(np.array(devices[:1]), ("sp",))
   rows = []
   for tl in map(int, f.seq_lens):
     for kh in map(int, f.kv_heads):
