@@ -48,6 +48,26 @@ def test_plan_reports_memory_fit_and_ring_permutes():
 
 
 @needs_libtpu
+def test_auto_plans_the_cost_models_choice_and_shows_every_strategy(capsys):
+  """On 64 chips of v5p, GQA 32/8: Ulysses cannot shard 32 heads over 64 chips; auto
+  compiles the strategy explain() chose, and the plan prints its table."""
+  model = dict(batch=1, seq_len=64 * 2048, heads=32, kv_heads=8, head_dim=128,
+               dtype="bfloat16", causal=True, mode="forward", backend="auto", breakdown=False)
+  with pytest.raises(UsageError, match="--strategy=ulysses.*multiple of 64"):
+    planner.plan("v5p:4x4x4", strategy="ulysses", **model)
+  r = planner.plan("v5p:4x4x4", strategy="auto", **model)
+  assert r["requested"] == "auto" and r["strategy"] in ("ring", "allgather"), r["strategy"]
+  assert r["fits"] and r["chips"] == 64
+  # The ring's loop permutes K/V each step; all-gather has no ring loop (on TPU its gather
+  # compiles to an all-reduce).
+  assert bool(r["permutes_per_step"]) == (r["strategy"] == "ring"), r["permutes_per_step"]
+  planner.print_plan(r)
+  out = capsys.readouterr().out
+  assert f"strategy {r['strategy']}," in out
+  assert f"* {r['strategy']}" in out and "ulysses    not possible" in out
+
+
+@needs_libtpu
 def test_a_plan_the_compiler_cannot_fit_says_which_memory_and_exits_1():
   # GQA 32/8, d128, causal forward, 1,048,576 tokens per chip of v5e:2x4 (16 GB): the
   # compiler runs out of HBM (the compile fails; such a failure once ended in a traceback).

@@ -26,6 +26,9 @@ program's total exceeds the chip's HBM, or the TPU compiler itself ran out of a 
 
   does not fit: HBM needs 124.91 GiB of 95.73 GiB available (the TPU compiler ran out of memory)
 
+--strategy (default ring) picks the strategy over the chips; with --strategy=auto the plan
+compiles the cost model's choice and prints ringflash.explain's estimate of every strategy.
+
 Flags are checked before anything is compiled; a mistake is one line and status 2.
 """
 
@@ -235,7 +238,8 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
       assignment, dumped to a temporary directory).
 
   Returns:
-    {topology, chips, device_kind, backend, strategy, mode, tokens_per_chip, block_q, block_k,
+    {topology, chips, device_kind, backend, strategy (the one compiled: auto's choice),
+    requested, explain (ringflash.explain's table), mode, tokens_per_chip, block_q, block_k,
     arguments, temporaries, outputs, total, hbm, fits, permutes_per_step, all_gathers,
     out_of_memory, breakdown, unavoidable}. When the TPU compiler ran out of memory,
     out_of_memory is its OutOfMemory, fits is False and the compiled program's figures
@@ -287,9 +291,16 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
   args = [jax.ShapeDtypeStruct((batch, seq_len, h, head_dim), dt, sharding=sharding)
           for h in (heads, kv_heads, kv_heads)]
 
+  try:       # the cost model's choice ("auto") and its estimate of each strategy
+    choice = ringflash.explain(*args, mesh=mesh, is_causal=causal, backend=backend,
+                               strategy=strategy)
+  except (ValueError, NotImplementedError) as err:
+    raise UsageError(f"--strategy={strategy} cannot run these flags: {err}") from None
+  report |= {"strategy": choice.strategy, "requested": strategy, "explain": str(choice)}
+
   def attn(q, k, v):
     return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal, backend=backend,
-                                    strategy=strategy)
+                                    strategy=choice.strategy)
 
   if mode == "train":
     fn = jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) ** 2),
@@ -559,6 +570,8 @@ def print_plan(r) -> None:
   print(f"{r['topology']} ({r['chips']} x {r['device_kind']}), backend {r['backend']}, "
         f"strategy {r['strategy']}, {r['tokens_per_chip']} tokens per chip, blocks "
         f"bq={r['block_q']} bk={r['block_k']}")
+  if r.get("requested") == "auto":
+    print("  " + r["explain"].replace("\n", "\n  "))
   if r["out_of_memory"] is not None:
     print(f"  does not fit: {r['out_of_memory']} (the TPU compiler ran out of memory)",
           flush=True)
