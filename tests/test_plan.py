@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import types
@@ -64,6 +65,8 @@ def test_auto_plans_the_cost_models_choice_and_shows_every_strategy(capsys):
   planner.print_plan(r)
   out = capsys.readouterr().out
   assert f"strategy {r['strategy']}," in out
+  tiles = re.search(r"block_q=(\d+), block_k=(\d+)", r["explain"])    # the chosen kernel's
+  assert f"blocks bq={tiles[1]} bk={tiles[2]}" in out
   assert f"* {r['strategy']}" in out and "ulysses    not possible" in out
 
 

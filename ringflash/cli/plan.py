@@ -296,7 +296,10 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
                                strategy=strategy)
   except (ValueError, NotImplementedError) as err:
     raise UsageError(f"--strategy={strategy} cannot run these flags: {err}") from None
-  report |= {"strategy": choice.strategy, "requested": strategy, "explain": str(choice)}
+  report |= {"strategy": choice.strategy, "requested": strategy, "explain": str(choice),
+             # the tiles of the strategy's kernel calls (Ulysses': the whole sequence)
+             "block_q": getattr(choice.tiles, "block_q", report["block_q"]),
+             "block_k": getattr(choice.tiles, "block_k", report["block_k"])}
 
   def attn(q, k, v):
     return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal, backend=backend,
