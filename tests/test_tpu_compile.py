@@ -90,10 +90,15 @@ def test_other_shapes_compile_with_mosaic_kernels(topology, heads, kv_heads, hea
 
 @pytest.mark.parametrize("head_dim,head_dim_v,softcap", [(192, 128, 30.0), (96, None, None)],
                          ids=["mla-192-128-softcap", "head-dim-96"])
-def test_vocabulary_of_real_models_compiles_with_mosaic_kernels(head_dim, head_dim_v, softcap):
+@pytest.mark.parametrize("topology", [
+    "v5p:2x2x2", pytest.param("v5e:2x4", marks=pytest.mark.slow),
+    pytest.param("v6e:2x4", marks=pytest.mark.slow)])
+def test_vocabulary_of_real_models_compiles_with_mosaic_kernels(topology, head_dim, head_dim_v,
+                                                                softcap):
   """Soft-capped logits with MLA's head dims (q, k 192; v, out 128), and a head dim that is
-  not a multiple of 128, in the kernels on v5p: blocks keep the head dim whole."""
-  hlo, _ = _compiled("v5p:2x2x2", True, head_dim, head_dim_v=head_dim_v, softcap=softcap)
+  not a multiple of 128, in the kernels: blocks keep the head dim whole. v5p by default;
+  v5e and v6e (other VMEM, v6e's 1024-key tiles) among the slow cases."""
+  hlo, _ = _compiled(topology, True, head_dim, head_dim_v=head_dim_v, softcap=softcap)
   kernels = _kernels(hlo)
   assert {"ringflash_fwd", "ringflash_bwd_dkv", "ringflash_bwd_dq"} <= kernels, kernels
   if head_dim_v is not None:     # each device's output [B, T / 8, N, Hv], in the input dtype

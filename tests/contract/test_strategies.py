@@ -13,9 +13,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+
+import ringflash
 
 from contract import base
 from contract import test_xla
@@ -50,6 +53,8 @@ class _Strategy(test_xla.TestXla):
     return Mesh(devices, ("sp",))
 
   def adapt(self, case):
+    if self.strategy != "hybrid":     # bidirectional is a schedule of the ring (refused here)
+      case = dataclasses.replace(case, bidirectional=False)
     if self.strategy == "ulysses":
       return dataclasses.replace(case, ring_size=min(case.ring_size, base.N))
     return case
@@ -87,3 +92,19 @@ def test_error_does_not_grow_with_ring_size(strategy):
 def test_nonfinite_rule(strategy, where):
   _Strategy(strategy).test_nonfinite_values_a_row_sees_reach_it(where)
   _Strategy(strategy).test_nonfinite_values_a_row_does_not_see_never_reach_it(where)
+
+
+@pytest.mark.parametrize("strategy,options,n,k,mesh_axes,says", [
+    ("allgather", dict(bidirectional=True), 4, 2, ("sp",), "bidirectional=True.*'allgather'"),
+    ("ulysses", dict(bidirectional=True), 4, 2, ("sp",), "bidirectional=True.*'ulysses'"),
+    ("ulysses", {}, 6, 2, ("sp",), "N=6 query heads"),
+    ("hybrid", {}, 4, 2, ("sp",), "'hybrid' needs axis_name to be a tuple"),
+])
+def test_what_a_strategy_cannot_run_is_not_implemented_naming_it(strategy, options, n, k,
+                                                                  mesh_axes, says):
+  """Refused before anything runs, with the strategy's reason (never another strategy)."""
+  mesh = Mesh(np.array(jax.devices()[:4]), mesh_axes)
+  q, kv = jnp.zeros((1, 16, n, 8)), jnp.zeros((1, 16, k, 8))
+  with pytest.raises(NotImplementedError, match=says):
+    jax.jit(lambda q, kv: ringflash.ring_attention(
+        q, kv, kv, mesh=mesh, axis_name=mesh_axes[0], strategy=strategy, **options)).lower(q, kv)
