@@ -506,3 +506,12 @@ def resolve_spec(kernel, problem: base.Problem, *, scale: float,
   return base.KernelSpec(scale=scale, causal=problem.causal, tiles=resolved,
                          interpret=kernel.NAME != "xla" and problem.interpret,
                          window=problem.window, softcap=problem.softcap)
+
+
+def option_types(options) -> tuple:
+  """The types of a frozen dataclass of options, for the key of a cache of compiled programs:
+  0 == False and 5 == 5.0 in Python, but is_causal=0 and local_window_size=5.0 are errors,
+  not the programs of False and 5."""
+  def of(x):
+    return tuple(of(e) for e in x) if isinstance(x, tuple) else type(x)
+  return tuple(of(getattr(options, f.name)) for f in dataclasses.fields(options))

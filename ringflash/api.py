@@ -108,7 +108,7 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
                      strategy=strategy)
   arrays = (query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths, sinks)
   try:
-    fn = _program(mesh, batch, heads, options, _types(options))
+    fn = _program(mesh, batch, heads, options, _validate.option_types(options))
   except TypeError:       # an unhashable option: no cache; validation names it
     fn = functools.partial(_ring_attention, mesh=mesh, batch=batch, heads=heads,
                            options=options)
@@ -160,14 +160,6 @@ class _Options:
   bidirectional: bool
   logits_soft_cap: float | None
   strategy: str
-
-
-def _types(options: _Options):
-  """The types of the options, part of the cache key: 0 == False and 5 == 5.0 in Python,
-  but is_causal=0 and local_window_size=5.0 are errors, not the programs of False and 5."""
-  def of(x):
-    return tuple(of(e) for e in x) if isinstance(x, tuple) else type(x)
-  return tuple(of(getattr(options, f.name)) for f in dataclasses.fields(options))
 
 
 @functools.lru_cache(maxsize=1)

@@ -124,7 +124,7 @@ def run(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, *,
   else:
     batch, heads = batch_axis, None
   try:
-    fn = _program(mesh, batch, heads, options, _types(options))
+    fn = _program(mesh, batch, heads, options, _validate.option_types(options))
   except TypeError:         # an unhashable option: no cache; validation names it
     fn = functools.partial(_decode, mesh=mesh, batch=batch, heads=heads, options=options)
   try:
@@ -133,13 +133,6 @@ def run(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, *,
     if "forward-mode" not in str(err):
       raise
     raise NotImplementedError(_FORWARD_ONLY) from None
-
-
-def _types(options: _Options):
-  """The options' types, part of the cache key (True == 1 in Python, not here)."""
-  def of(x):
-    return tuple(of(e) for e in x) if isinstance(x, tuple) else type(x)
-  return tuple(of(getattr(options, f.name)) for f in dataclasses.fields(options))
 
 
 @functools.lru_cache(maxsize=64)

@@ -385,26 +385,31 @@ def test_resume_of_another_model_stops_instead_of_saving_over(tmp_path):
 # ------------------------------------------------------------- preemption notice (SIGTERM)
 
 
-def test_sigterm_saves_the_step_reached_and_exits_then_resume_continues(tmp_path):
-  """SIGTERM mid-run (saves every 100 steps, so none is due): the run saves the step it has
-  reached, exits with status 143, and --resume continues from that step."""
-  smaller = ["--num_layers", "1", "--cpu_devices", "4", "--ring", "2"]   # compiles faster
-  proc = subprocess.Popen(_train_cmd(tmp_path, "--steps", "1000", "--save_every", "100",
-                                     *smaller),
-                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+def _sigterm_at(command, env, prefix: str, *, timeout: float):
+  """Runs `command`, sends it SIGTERM at the output line starting with `prefix`, waits for it
+  to end; (the finished process, its whole output)."""
+  proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
   lines = []
   try:
     for line in proc.stdout:
       lines.append(line)
-      if line.startswith("step 3 "):
+      if line.startswith(prefix):
         proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+    proc.wait(timeout=timeout)
   finally:
     if proc.poll() is None:
       proc.kill()
       proc.wait()
-  text = "".join(lines)
+  return proc, "".join(lines)
+
+
+def test_sigterm_saves_the_step_reached_and_exits_then_resume_continues(tmp_path):
+  """SIGTERM mid-run (saves every 100 steps, so none is due): the run saves the step it has
+  reached, exits with status 143, and --resume continues from that step."""
+  smaller = ["--num_layers", "1", "--cpu_devices", "4", "--ring", "2"]   # compiles faster
+  proc, text = _sigterm_at(_train_cmd(tmp_path, "--steps", "1000", "--save_every", "100",
+                                      *smaller), _env(), "step 3 ", timeout=60)
   assert proc.returncode == train.PREEMPTED_STATUS, text[-3000:]
   saved = re.search(r"^train: preemption notice \(SIGTERM\): saved step (\d+) in "
                     rf"{re.escape(str(tmp_path / 'ckpt'))}; stopping at step \1 of 1000$",
@@ -476,20 +481,7 @@ def test_two_processes_save_on_sigterm_at_the_same_step(tmp_path):
              "--init_timeout_s", "120", "--stop_timeout_s", "60", "--", "train", *SMALL,
              "--steps", "1000", "--save_every", "100", "--checkpoint_dir",
              str(tmp_path / "ckpt")]
-  proc = subprocess.Popen(command, env=_launch_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-  lines = []
-  try:
-    for line in proc.stdout:
-      lines.append(line)
-      if line.startswith("[0] step 3 "):
-        proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
-  text = "".join(lines)
+  proc, text = _sigterm_at(command, _launch_env(), "[0] step 3 ", timeout=120)
   saved = re.search(r"^\[0\] train: preemption notice \(SIGTERM\): saved step (\d+) ", text,
                     re.M)
   assert saved, text[-4000:]
