@@ -1,5 +1,6 @@
 """The parsing halves of scripts/gpu_resources.py and scripts/gpu_stalls.py, on text in the
-formats ptxas and Nsight Compute printed on the H200."""
+formats ptxas and Nsight Compute printed on the H200, and scripts/gpu_tests.py's dealing of
+cases to processes."""
 
 from __future__ import annotations
 
@@ -159,3 +160,24 @@ def test_stalls_split_roles_and_categories(tmp_path, capsys):
   assert "kernel 1: entry_mosaic_gpu_kernel, 3 instructions, 1032192 samples" in out
   assert "wgmma waits 50.0%  mbarrier waits 12.5%  spill 6.2%" in out
   assert "after SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR8], R10" in out
+
+
+def test_gpu_tests_deals_the_collected_cases_and_reads_the_summaries():
+  script = _load("gpu_tests")
+  collected = ("tests/contract/test_pallas_gpu.py::TestPallasGpu::test_lse_cotangent_flows\n"
+               "tests/test_pallas_gpu.py::test_auto_picks_pallas_gpu\n"
+               "tests/test_pallas_gpu.py::test_ring_one_gpu_matches_oracle[True-2]\n"
+               "\n3 tests collected in 0.11s\n")
+  ids = script.case_ids(collected)
+  assert ids == ["contract/test_pallas_gpu.py::TestPallasGpu::test_lse_cotangent_flows",
+                 "test_pallas_gpu.py::test_auto_picks_pallas_gpu",
+                 "test_pallas_gpu.py::test_ring_one_gpu_matches_oracle[True-2]"]
+  assert script.deal(ids, 2) == [[ids[0], ids[2]], [ids[1]]]
+  assert script.deal(ids, 5) == [[ids[0]], [ids[1]], [ids[2]]]
+  log = ("..F\n=== short test summary info ===\n"
+         "FAILED test_pallas_gpu.py::test_auto_picks_pallas_gpu - AssertionError\n"
+         "1 failed, 2 passed in 97.10s (0:01:37)\n\n")
+  assert script.summary(log) == (
+      "1 failed, 2 passed in 97.10s (0:01:37)",
+      ["FAILED test_pallas_gpu.py::test_auto_picks_pallas_gpu - AssertionError"])
+  assert script.summary("") == ("(no output)", [])

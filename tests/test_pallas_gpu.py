@@ -411,11 +411,30 @@ def test_ring_one_gpu_vocabulary_matches_oracle(causal, segs, n, kh, h, hv, soft
   _check_ring_one_gpu(causal, segs, n, kh, h, hv, t, jnp.bfloat16, True, softcap=softcap)
 
 
-def _check_ring_one_gpu(causal, segs, n, kh, h, hv, t, dtype, grads, softcap):
+# Soft-capped scores across the whole cap: q scaled so that scale q.k spreads over about
+# +-gain, beyond the cap, where tanh saturates and a row's scores are far apart (the caps
+# of the other cases are small beside O(1) scores).
+SOFTCAP_RANGE_CASES = [
+    # softcap, gain
+    (30.0, 40.0),    # Grok's cap
+    (50.0, 40.0),    # Gemma 2's
+    (100.0, 60.0),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("softcap,gain", SOFTCAP_RANGE_CASES)
+def test_softcap_across_the_cap_matches_oracle(softcap, gain):
+  _check_ring_one_gpu(True, True, 4, 2, 128, 128, 512, jnp.bfloat16, True, softcap=softcap,
+                      gain=gain)
+
+
+def _check_ring_one_gpu(causal, segs, n, kh, h, hv, t, dtype, grads, softcap, gain=1.0):
   """ring_attention on a one-GPU mesh (backend pallas_gpu), forward and gradients, against
-  the oracle (bf16 criterion)."""
+  the oracle (bf16 criterion); q scaled by gain."""
   b = 2 if segs else 1
   q, k, v, do = _inputs(2, b, t, t, n, kh, h, hv, dtype)
+  q = (q.astype(jnp.float32) * gain).astype(dtype)
   q_seg, kv_seg = _segments(b, t, t, with_empty=True) if segs else (None, None)
   seg_arg = (q_seg, kv_seg) if segs else None
   mesh = _mesh()

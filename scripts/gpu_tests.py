@@ -1,0 +1,91 @@
+"""The H200-only tests, in several pytest processes on the GPUs of this host.
+
+A case of tests/contract/test_pallas_gpu.py or tests/test_pallas_gpu.py spends most of its
+30-90 s compiling (Mosaic GPU, ptxas: CPU work), so one process takes about 30 minutes for
+the contract file alone; N processes share the cores and the GPU memory (no preallocation)
+and take about 6. Run from the repository root after `python3 -m pip install .` (from the
+root, the folder ringflash/ would shadow the installed package; the tests run in tests/):
+
+  python3 scripts/gpu_tests.py [--processes N] [--timeout S] [pytest selection args]
+
+(--platform=cpu runs the same on CPU devices, for the CPU-only cases.)
+
+e.g. `python3 scripts/gpu_tests.py contract/test_pallas_gpu.py -m "slow or not slow"`
+(paths relative to tests/). It collects the selected case ids once, deals them round-robin
+to N processes (default: a third of the cores, at least 1), waits, prints each process's
+summary line and the failures' lines, and exits 1 if any process failed or ran past
+--timeout. docs/GPU_NOTES.md (run 37) has what it printed for the contract file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+TESTS = pathlib.Path(__file__).resolve().parents[1] / "tests"
+
+
+def case_ids(collect_output: str) -> list[str]:
+  """The case ids in `pytest --collect-only -q` output, relative to tests/ (pytest names
+  them from the repository root, where pyproject.toml is)."""
+  return [line.strip().removeprefix("tests/") for line in collect_output.splitlines()
+          if "::" in line]
+
+
+def deal(ids: list[str], processes: int) -> list[list[str]]:
+  """ids dealt round-robin to at most `processes` non-empty parts (neighbouring cases are
+  often alike in cost)."""
+  return [part for part in (ids[i::processes] for i in range(processes)) if part]
+
+
+def summary(log: str) -> tuple[str, list[str]]:
+  """(the last non-empty line of a pytest log, its FAILED / ERROR lines)."""
+  lines = [line for line in log.splitlines() if line.strip()]
+  bad = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+  return (lines[-1] if lines else "(no output)"), bad
+
+
+def main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 3) // 3))
+  parser.add_argument("--timeout", type=int, default=900, help="seconds per process")
+  parser.add_argument("--platform", default="cuda", help="JAX_PLATFORMS of the processes")
+  args, selection = parser.parse_known_args(argv)
+  if args.processes < 1 or args.timeout < 1:
+    parser.error("--processes and --timeout must be >= 1")
+  env = dict(os.environ, JAX_PLATFORMS=args.platform, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                              *selection], cwd=TESTS, env=env, capture_output=True, text=True)
+  ids = case_ids(collected.stdout)
+  if not ids:
+    print(f"no cases selected by {selection}:")
+    print(collected.stdout[-2000:] + collected.stderr[-2000:])
+    return 1
+  parts = deal(ids, args.processes)
+  print(f"{len(ids)} cases in {len(parts)} processes", flush=True)
+  start = time.time()
+  marks = [arg for i, arg in enumerate(selection) if arg == "-m" or
+           (i > 0 and selection[i - 1] == "-m")]
+  procs = [subprocess.Popen(["timeout", str(args.timeout), sys.executable, "-m", "pytest",
+                             "-q", "-rfE", "-p", "no:cacheprovider", *marks, *part],
+                            cwd=TESTS, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for part in parts]
+  logs = [p.communicate()[0] for p in procs]
+  failed = False
+  for i, (proc, log) in enumerate(zip(procs, logs)):
+    last, bad = summary(log)
+    timed_out = proc.returncode in (124, 137)
+    failed |= proc.returncode != 0
+    print(f"process {i}: {'ran past --timeout; ' if timed_out else ''}{last}")
+    for line in bad:
+      print(f"  {line}")
+  print(f"{time.time() - start:.0f} s", flush=True)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
