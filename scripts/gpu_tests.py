@@ -14,7 +14,7 @@ e.g. `python3 scripts/gpu_tests.py contract/test_pallas_gpu.py -m "slow or not s
 (paths relative to tests/). It collects the selected case ids once, deals them round-robin
 to N processes (default: a third of the cores, at least 1), waits, prints each process's
 summary line and the failures' lines, and exits 1 if any process failed or ran past
---timeout. docs/GPU_NOTES.md (run 37) has what it printed for the contract file.
+--timeout. docs/GPU_NOTES.md (run 37) has what the same dealing printed for the contract file.
 """
 
 from __future__ import annotations
