@@ -107,6 +107,7 @@ class VocabCase:
   trim: int = 0
   t: int = 1
   s: int = 1
+  gain: float = 1.0                    # q scaled: scores of about +-gain
 
   def __str__(self):
     return self.name
@@ -135,6 +136,9 @@ SLOW_VOCAB_CASES = [
     VocabCase("head-dim-112-sinks-P4", 4, head_dim=112, sinks=True, causal=False),
     VocabCase("mla-192-128-softcap-lengths-P4", 4, head_dim=192, head_dim_v=128, softcap=4.0,
               lengths=True),
+    # scores spread beyond the cap (Gemma 2's 50): tanh saturated, rows' scores far apart
+    VocabCase("softcap-50-wide-scores-seg-P4", 4, softcap=50.0, gain=40.0, segments=True,
+              lead=(1,)),
 ]
 
 SLOW_RING_CASES = [
@@ -449,6 +453,7 @@ class ContractTests:
     b = int(np.prod(case.lead)) if case.lead else 1
     dtype = self.DTYPE
     q, k, _, dout = helpers.inputs(len(case.name) + p, b, t, s, N, case.kv_heads, h, dtype)
+    q = (q.astype(jnp.float32) * case.gain).astype(dtype)
     v = jax.random.normal(jax.random.key(len(case.name)), (b, s, case.kv_heads, hv),
                           jnp.float32).astype(dtype)
     dout = jax.random.normal(jax.random.key(p), (b, t, N, hv), jnp.float32).astype(dtype)
