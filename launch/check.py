@@ -250,11 +250,7 @@ def _check(job: Job, joined: distributed.Processes) -> None:
     results, inputs = run(config, repeat=job.repeat)
   except distributed.InputsDifferError as err:
     # Every process found the same disagreement, before any collective of the attention.
-    # Exit at once: the runtime's shutdown barrier would wait on peers that are leaving too
-    # (seen to outlast two minutes on a loaded machine).
-    print(f"ringflash check: {me}: ValueError: {err}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(2)
+    distributed.leave_together(2, f"ringflash check: {me}: ValueError: {err}")
   worst = errors(results, reference(inputs, config.causal))
   if job.out_dir:
     os.makedirs(job.out_dir, exist_ok=True)

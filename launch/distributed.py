@@ -30,6 +30,17 @@ would wait there until the launcher kills it, and a process that fails alone kee
 peers blocked in their next collective. So, in a job of several processes, an error that
 escapes the job prints its traceback and ends the process with os._exit(1): the launcher sees
 the failure within a second, and the peers' collectives fail at once.
+
+Why an error that every process finds at the same point ends the job together
+(`leave_together`: a flag that only the job's devices refute, inputs that differ across
+processes): a process that leaves without a word drops its connection to the coordination
+service, which reports that as a failed task to every process still connected, and JAX's
+client aborts them (a C++ fatal error, status -6; seen when process 0 was still creating its
+backend while process 1 had already left). So each process first waits at a barrier of the
+coordination service (up to `_LEAVE_TOGETHER_S`), then all leave through JAX's own shutdown,
+which they now reach together, and end with the error's status. A process that does not
+reach the barrier in time (its flags differ) is left behind as on any error: the others end
+at once.
 """
 
 from __future__ import annotations
@@ -66,6 +77,8 @@ DEFAULT_INIT_TIMEOUT_S = 300
 _HELLO = "ringflash"
 _RETRY_S = 0.2
 _ANSWER_GRACE_S = 5.0
+# How long leave_together waits for every process at its barrier.
+_LEAVE_TOGETHER_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,9 +214,9 @@ def exit_promptly_on_error(command: str):
   An exception that escapes the body (a failed collective, JaxRuntimeError; anything else
   that may have happened on this process alone) is printed with its traceback, and the
   process ends with os._exit(1), skipping the runtime's shutdown barrier (module docstring).
-  A UsageError (a flag that only the job's devices could refute) is printed as ringflash.cli
-  prints it, `ringflash <command>: <message>`, and ends the process with status 2. With a
-  single process everything passes through.
+  A UsageError (a flag that only the job's devices could refute, so every process finds it)
+  is printed as ringflash.cli prints it, `ringflash <command>: <message>`, and ends the job
+  with status 2 through leave_together. With a single process everything passes through.
 
   Args:
     command: the ringflash subcommand, for the message of a UsageError.
@@ -213,7 +226,7 @@ def exit_promptly_on_error(command: str):
   except UsageError as err:
     if not several_processes():
       raise
-    _end_now(2, f"ringflash {command}: {' '.join(str(err).split())}")
+    leave_together(2, f"ringflash {command}: {' '.join(str(err).split())}")
   except Exception:  # pylint: disable=broad-except  # the process boundary: report, then end
     if not several_processes():
       raise
@@ -226,6 +239,28 @@ def _end_now(status: int, message: str):
   print(message, file=sys.stderr)
   sys.stdout.flush()
   sys.stderr.flush()
+  os._exit(status)  # pylint: disable=protected-access
+
+
+def leave_together(status: int, message: str):
+  """Ends this process with `status` after printing `message`, for an error that every
+  process of the job finds at the same point: all wait for each other, then leave through
+  JAX's shutdown (module docstring). With a single process, or when some process does not
+  arrive within _LEAVE_TOGETHER_S, it ends at once."""
+  print(message, file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  if several_processes():
+    # The coordination service's client, as orbax reaches it: JAX has no public barrier
+    # that is not itself a device collective.
+    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+    client = jax_distributed.global_state.client
+    try:
+      if client is not None:
+        client.wait_at_barrier(f"ringflash_leave_{status}", int(_LEAVE_TOGETHER_S * 1000))
+        jax.distributed.shutdown()
+    except Exception:  # pylint: disable=broad-except  # a peer did not come: end at once
+      pass
   os._exit(status)  # pylint: disable=protected-access
 
 
