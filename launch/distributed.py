@@ -235,10 +235,14 @@ def exit_promptly_on_error(command: str):
                 f"(status 1), without the runtime's shutdown barrier")
 
 
-def _end_now(status: int, message: str):
+def _say(message: str):
   print(message, file=sys.stderr)
   sys.stdout.flush()
   sys.stderr.flush()
+
+
+def _end_now(status: int, message: str):
+  _say(message)
   os._exit(status)  # pylint: disable=protected-access
 
 
@@ -247,9 +251,7 @@ def leave_together(status: int, message: str):
   process of the job finds at the same point: all wait for each other, then leave through
   JAX's shutdown (module docstring). With a single process, or when some process does not
   arrive within _LEAVE_TOGETHER_S, it ends at once."""
-  print(message, file=sys.stderr)
-  sys.stdout.flush()
-  sys.stderr.flush()
+  _say(message)
   if several_processes():
     # The coordination service's client, as orbax reaches it: JAX has no public barrier
     # that is not itself a device collective.
