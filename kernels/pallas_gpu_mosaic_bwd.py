@@ -46,7 +46,10 @@ sT (one MUFU tanh.approx.f32 a score, as the forward does, so that pT matches th
 lse) and pT = 2^(t c' - lse2) with c' = cap log2(e). The derivative of the cap,
 d(cap t)/ds = 1 - t^2, multiplies dsT before the dK and dQ products; it is folded into pT
 right after pT16 (for dV) is taken: pT (1 - t^2) replaces pT in dsT = pT (dpT - D) scale, so
-no [64, 64] array more than in the plain path lives across the dV and dP products.
+no [64, 64] array more than in the plain path lives across the dV and dP products. Two MUFU
+operations a score (tanh, ex2) keep the MUFU the busiest unit, so in tiles without a mask
+the first SOFTCAP_FMA_COLS query columns take their ex2 on the FMA units
+(common.exp2_split).
 """
 
 from __future__ import annotations
@@ -61,6 +64,13 @@ from ringflash.kernels import base
 from ringflash.kernels import pallas_gpu_common as common
 
 BLOCK = 64        # query rows per step and key rows per compute warpgroup
+# With a soft-cap each score takes two MUFU operations (tanh and ex2), and the backward waits
+# on the MUFU: in tiles without a mask, this many of a tile's 64 query columns take their
+# ex2 on the FMA units instead (common.exp2_fma). On the H200 at T = 16k (docs/GPU_NOTES.md,
+# runs 41, 42 and 44) 16 made the soft-capped kernels' forward+backward 3.7-4.1% faster,
+# 8 and 24 0.3-1.3%; the plain backward, one MUFU operation a score, got 1-3% slower with
+# 8 or 16, so it keeps jnp.exp2.
+SOFTCAP_FMA_COLS = 16
 
 
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
@@ -226,7 +236,11 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
           st = jnp.tanh(st * (scale / softcap))     # capped score / cap, in [-1, 1]
         plgpu.barrier_wait(ld_bar.at[slot])
         lse2 = plgpu.load(ld_smem.at[slot, 0], layout=col, optimized=False)
-        pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse2, st.shape, [1]))
+        xt = st * c - lax.broadcast_in_dim(lse2, st.shape, [1])
+        if softcap is not None and not use_mask:
+          pt = common.exp2_split(xt, SOFTCAP_FMA_COLS)
+        else:
+          pt = jnp.exp2(xt)
         valid = None
         if use_mask:
           q0 = qt * bl

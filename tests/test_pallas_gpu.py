@@ -303,6 +303,29 @@ def test_triton_backward_lowers_for_cuda(which, causal, segs, window, n, kh, h, 
     assert "triton" in text.lower() and "mosaic_gpu" not in text
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="XLA:GPU reassociates (x + c) - c; the function is for the kernels")
+def test_exp2_fma_is_exp2_to_float32_accuracy():
+  """The soft-capped backward's ex2 on the FMA units: within 2.5e-7 of 2^x over the range the
+  softmax uses, about 1e-38 for -inf (it serves tiles without masked pairs), NaN for NaN; and
+  exp2_split puts it in the first columns only. Evaluated by XLA on CPU, which keeps IEEE
+  order as the Mosaic GPU kernel does; on the H200 the backward's soft-cap cases check it
+  inside the kernel."""
+  x = jnp.linspace(-124.0, 1.0, 2_000_001, dtype=jnp.float32)
+  got = np.asarray(jax.jit(common.exp2_fma)(x), np.float64)
+  want = np.exp2(np.asarray(x, np.float64))
+  assert np.max(np.abs(got / want - 1.0)) < 2.5e-7
+  odd = np.asarray(common.exp2_fma(jnp.array([-jnp.inf, -1e30, -200.0, jnp.nan, 0.0])))
+  assert np.all((odd[:3] > 0) & (odd[:3] < 2.0 ** -124))
+  assert np.isnan(odd[3]) and abs(odd[4] - 1.0) < 2.5e-7
+  tile = jax.random.uniform(jax.random.key(0), (64, 64), jnp.float32, -30.0, 0.5)
+  split = np.asarray(common.exp2_split(tile, 16))
+  np.testing.assert_array_equal(split[:, :16], np.asarray(common.exp2_fma(tile[:, :16])))
+  np.testing.assert_array_equal(split[:, 16:], np.asarray(jnp.exp2(tile[:, 16:])))
+  np.testing.assert_array_equal(np.asarray(common.exp2_split(tile, 0)),
+                                np.asarray(jnp.exp2(tile)))
+
+
 def test_forward_tiles_beyond_shared_memory_raise():
   """bk = 128 at head dim 256 needs 320 KiB: a ValueError naming block_sizes, not a failed
   compile."""
