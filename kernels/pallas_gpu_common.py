@@ -34,9 +34,9 @@ SMEM_BYTES = 227 * 1024
 # over [-124, 1]), the accuracy of the MUFU's ex2.approx.f32.
 EXP2_POLY = (1.0000001192092896, 0.6931469440460205, 0.24022120237350464, 0.05550713464617729,
              0.009675541892647743, 0.0013276460813358426)
-# 1.5 * 2^23: adding it to |x| < 2^22 rounds x to the nearest integer j and leaves j in the
-# low bits of the float's mantissa.
-_ROUND = 12582912.0
+# 1.5 * 2^23 + 127: adding it to |x| < 2^22 rounds x to the nearest integer j and leaves
+# j + 127 (2^j's exponent field) in the low bits of the float's mantissa.
+_ROUND = 12583039.0
 
 
 def exp2_fma(x):
@@ -56,11 +56,10 @@ def exp2_fma(x):
   p = EXP2_POLY[-1] * f + EXP2_POLY[-2]
   for coeff in EXP2_POLY[-3::-1]:
     p = p * f + coeff
-  # 2^j as a float: (j + 127) << 23. The low 9 bits of t's bits hold j, the bits above
-  # them shift out. Multiplying (not adding j << 23 to p's bits) keeps a NaN a NaN.
+  # 2^j as a float, (j + 127) << 23: the low 9 bits of t's bits hold j + 127, the bits
+  # above them shift out. Multiplying (not adding j << 23 to p's bits) keeps a NaN a NaN.
   two_j = jax.lax.bitcast_convert_type(
-      jax.lax.shift_left(jax.lax.bitcast_convert_type(t, jnp.int32), 23) + (127 << 23),
-      jnp.float32)
+      jax.lax.shift_left(jax.lax.bitcast_convert_type(t, jnp.int32), 23), jnp.float32)
   return p * two_j
 
 

@@ -69,8 +69,8 @@ BLOCK = 64        # query rows per step and key rows per compute warpgroup
 # ex2 on the FMA units instead (common.exp2_fma). On the H200 at T = 16k (docs/GPU_NOTES.md,
 # runs 41, 42 and 44) 16 made the soft-capped kernels' forward+backward 3.7-4.1% faster,
 # 8 and 24 0.3-1.3%; the plain backward, one MUFU operation a score, got 1-3% slower with
-# 8 or 16, so it keeps jnp.exp2. (Those runs added j << 23 to the polynomial's bits; the
-# multiply by 2^j that keeps NaN costs one FMUL more: run 52, 1-3% over run 44's figures.)
+# 8 or 16, so it keeps jnp.exp2. Those runs added j << 23 to the polynomial's bits; the
+# kept exp2_fma multiplies by 2^j instead, so that NaN stays NaN: 1.3-3.1% (run 54).
 SOFTCAP_FMA_COLS = 16
 
 
