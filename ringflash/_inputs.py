@@ -16,12 +16,15 @@ masks as positions plus segment ids. This module maps one onto the other:
   tile or ring hop of padding: [PAD_K, PAD_K] meets no query range, [PAD_Q, PAD_Q] no key
   range;
 - sinks join each row's softmax once, after the strategy: lse' = logaddexp(lse, sink) and
-  out' = out * exp(lse - lse'), differentiated by JAX (so the sink's gradient is summed over
-  rows and devices by the ordinary rules), rows without a key staying 0 with lse -inf.
+  out' = out * exp(lse - lse'), rows without a key staying 0 with lse -inf. Its derivative
+  is written out (_sink_rescale) so that a zero cotangent carries nothing back, also through
+  a row that saw a NaN: a loss that ignores such rows gets finite gradients, as without
+  sinks. The sink's gradient is summed over batch and rows here, over devices by JAX.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -93,12 +96,54 @@ def add_sinks(out, lse, sinks):
     lse [B, N, T] float32, sinks [N].
   """
   sink = jnp.asarray(sinks, jnp.float32)[None, :, None]                  # [1, N, 1]
+  scaled, total = _sink_rescale(out.astype(jnp.float32), lse, sink)
+  return scaled.astype(out.dtype), total
+
+
+def _sink_weight(lse, sink):
+  """(w = exp(lse - lse'), lse') per row [B, N, T]: w = 0 and lse' = -inf for a row without
+  a key; both NaN for a row whose lse is NaN."""
   none = lse == -jnp.inf
   lse_safe = jnp.where(none, 0.0, lse)
   total = jnp.where(none, -jnp.inf, jnp.logaddexp(lse_safe, sink))
   weight = jnp.where(none, 0.0, jnp.exp(lse_safe - jnp.where(none, 0.0, total)))
-  scaled = out.astype(jnp.float32) * weight.transpose(0, 2, 1)[..., None]
-  return scaled.astype(out.dtype), total
+  return weight, total
+
+
+def _times(g, x):
+  """g * x, except 0 where the cotangent g is 0: a row whose output the loss ignores carries
+  nothing back, even when it saw a NaN (the non-finite rule; kernels/base.guard_backward
+  reads such a row as silent)."""
+  return jnp.where(g == 0, 0.0, g * x)
+
+
+@jax.custom_vjp
+def _sink_rescale(out, lse, sink):
+  weight, total = _sink_weight(lse, sink)
+  return out * weight.transpose(0, 2, 1)[..., None], total
+
+
+def _sink_rescale_fwd(out, lse, sink):
+  weight, total = _sink_weight(lse, sink)
+  return (out * weight.transpose(0, 2, 1)[..., None], total), (out, lse, weight)
+
+
+def _sink_rescale_bwd(res, cts):
+  # With w = exp(lse - lse') and lse' = logaddexp(lse, sink): dw/dlse = w (1 - w),
+  # dw/dsink = -w (1 - w), dlse'/dlse = w, dlse'/dsink = 1 - w; rows without a key depend
+  # on nothing.
+  out, lse, weight = res
+  g_out, g_total = cts
+  live = lse != -jnp.inf
+  d_out = _times(g_out, weight.transpose(0, 2, 1)[..., None])
+  d_weight = jnp.sum(_times(g_out, out), axis=-1).transpose(0, 2, 1)       # [B, N, T]
+  slope = weight * (1.0 - weight)
+  d_lse = jnp.where(live, _times(d_weight, slope) + _times(g_total, weight), 0.0)
+  d_sink = jnp.where(live, _times(g_total, 1.0 - weight) - _times(d_weight, slope), 0.0)
+  return d_out, d_lse, jnp.sum(d_sink, axis=(0, 2), keepdims=True)
+
+
+_sink_rescale.defvjp(_sink_rescale_fwd, _sink_rescale_bwd)
 
 
 def finish(call: _validate.Call, out, lse, sinks):

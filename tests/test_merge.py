@@ -1,5 +1,6 @@
-"""The LSE merge (parallel/merge.py), without any mesh. The kernel contract itself, one
-block pair on every backend, is in tests/contract/."""
+"""The LSE merge (parallel/merge.py) and the sinks (ringflash/_inputs.add_sinks), without
+any mesh. The kernel contract itself, one block pair on every backend, is in
+tests/contract/."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 
 import helpers
 import oracle
+from ringflash import _inputs
 from ringflash.kernels import KernelSpec, XlaBlockSizes, xla
 from ringflash.parallel import merge
 
@@ -50,3 +52,56 @@ def test_merge_with_empty_sides_is_exact_and_nan_free():
   grads = jax.grad(f, argnums=(0, 1, 2, 3))(o_a, lse_a, o_b, lse_b)
   for g in grads:
     assert np.all(np.isfinite(np.asarray(g)))
+
+
+def _sinks_by_autodiff(out, lse, sinks):
+  """add_sinks' formula, differentiated by JAX (the reference for its written-out VJP)."""
+  sink = sinks[None, :, None]
+  total = jnp.logaddexp(lse, sink)
+  return out * jnp.exp(lse - total).transpose(0, 2, 1)[..., None], total
+
+
+def test_sinks_gradient_is_the_formulas_for_every_cotangent():
+  """add_sinks' derivative against JAX's of lse' = logaddexp(lse, sink), out' = out exp(lse -
+  lse'), for cotangents of both out' and lse' (the contract's cases send zeros for lse');
+  rows without a key (lse = -inf) keep 0 and -inf and pass nothing back."""
+  keys = jax.random.split(jax.random.key(3), 5)
+  b, t, n, hv = 2, 6, 3, 4
+  out = jax.random.normal(keys[0], (b, t, n, hv), jnp.float32)
+  lse = 2.0 * jax.random.normal(keys[1], (b, n, t), jnp.float32)
+  sinks = jax.random.normal(keys[2], (n,), jnp.float32)
+  g_out = jax.random.normal(keys[3], (b, t, n, hv), jnp.float32)
+  g_lse = jax.random.normal(keys[4], (b, n, t), jnp.float32)
+  got_val, got_vjp = jax.vjp(_inputs.add_sinks, out, lse, sinks)
+  want_val, want_vjp = jax.vjp(_sinks_by_autodiff, out, lse, sinks)
+  for g, w in zip(got_val + got_vjp((g_out, g_lse)), want_val + want_vjp((g_out, g_lse))):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
+  empty = lse.at[0, 1, 2].set(-jnp.inf)
+  zeroed = out.at[0, 2, 1].set(0.0)
+  (o, l), vjp = jax.vjp(_inputs.add_sinks, zeroed, empty, sinks)
+  assert np.all(np.asarray(o)[0, 2, 1] == 0.0) and np.isneginf(np.asarray(l)[0, 1, 2])
+  d_out, d_lse, d_sinks = vjp((g_out, g_lse))
+  assert np.all(np.asarray(d_out)[0, 2, 1] == 0.0) and np.asarray(d_lse)[0, 1, 2] == 0.0
+  # The sinks' gradient: the formula's over the other rows (that row's lse' is -inf whatever
+  # the sink, so its cotangent does not reach the sink).
+  _, ref_vjp = jax.vjp(_sinks_by_autodiff, zeroed, empty.at[0, 1, 2].set(-1e30), sinks)
+  want = ref_vjp((g_out, g_lse.at[0, 1, 2].set(0.0)))[2]
+  np.testing.assert_allclose(np.asarray(d_sinks), np.asarray(want), rtol=2e-6, atol=2e-6)
+
+
+def test_sinks_keep_the_nonfinite_rule():
+  """A row whose lse is NaN (it saw a NaN) stays NaN forward. Backward, a zero cotangent on
+  it carries nothing back (finite gradients for a loss that ignores it); a nonzero one
+  carries NaN into that row's gradients and the sinks'."""
+  out = jnp.ones((1, 4, 2, 3), jnp.float32).at[0, 1, 0].set(jnp.nan)
+  lse = jnp.zeros((1, 2, 4), jnp.float32).at[0, 0, 1].set(jnp.nan)
+  sinks = jnp.array([0.5, -0.5], jnp.float32)
+  (o, l), vjp = jax.vjp(_inputs.add_sinks, out, lse, sinks)
+  assert np.all(np.isnan(np.asarray(o)[0, 1, 0])) and np.isnan(np.asarray(l)[0, 0, 1])
+  assert np.all(np.isfinite(np.asarray(o)[0, [0, 2, 3]]))
+  g_out = jnp.ones_like(out).at[0, 1, 0].set(0.0)
+  grads = vjp((g_out, jnp.zeros_like(lse).at[0, 1, 3].set(1.0)))
+  assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+  d_out, d_lse, d_sinks = vjp((jnp.ones_like(out), jnp.zeros_like(lse)))
+  assert np.all(np.isnan(np.asarray(d_out)[0, 1, 0])) and np.isnan(np.asarray(d_lse)[0, 0, 1])
+  assert np.isnan(np.asarray(d_sinks)[0]) and np.isfinite(np.asarray(d_sinks)[1])

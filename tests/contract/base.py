@@ -603,11 +603,25 @@ class ContractTests:
       assert np.all(np.isfinite(np.asarray(g, np.float32)))
     self.check(got, self._oracle(case, inputs), self._oracle(case, inputs, upcast=False))
 
-  @pytest.mark.parametrize("where", ["q", "k", "v"])
-  def test_nonfinite_values_a_row_does_not_see_never_reach_it(self, where):
+  def _nonfinite_vocab(self, softcap, sinks: bool):
+    """(ring_attention options, oracle options) of a non-finite case with a soft-cap and/or
+    sinks; skips where the backend does not claim them."""
+    if softcap is not None:
+      self.require("softcap")
+    if sinks:
+      self.require("sinks")
+    sink = jnp.linspace(-1.0, 1.0, N, dtype=jnp.float32) if sinks else None
+    return dict(logits_soft_cap=softcap, sinks=sink), dict(softcap=softcap, sinks=sink)
+
+  @pytest.mark.parametrize("where,softcap,sinks", [
+      ("q", None, False), ("k", None, False), ("v", None, False), ("k", 2.0, True)],
+      ids=["q", "k", "v", "k-softcap-sinks"])
+  def test_nonfinite_values_a_row_does_not_see_never_reach_it(self, where, softcap, sinks):
     """NaN in the query, key or value rows of one document never reaches the rows of the
-    other, forward or backward (documents interleave so that every tile mixes them)."""
+    other, forward or backward (documents interleave so that every tile mixes them). With a
+    soft-cap and sinks too."""
     self.require("ring", "segments")
+    vocab, oracle_vocab = self._nonfinite_vocab(softcap, sinks)
     case = self.adapt(RingCase("masked-nan", 8, causal=True, segments="packed"))
     q, k, v, dout, _ = self._inputs(case)
     t = q.shape[1]
@@ -621,7 +635,7 @@ class ContractTests:
 
     def ring(a, b_, c):
       return ringflash.ring_attention(a, b_, c, mesh=mesh, **self.options(), is_causal=True,
-                                      segment_ids=seg,
+                                      segment_ids=seg, **vocab,
                                       backend=self.BACKEND,
                                       block_sizes=self.block_sizes(*(
                                           [t // case.ring_size] * 2)))
@@ -635,7 +649,8 @@ class ContractTests:
     assert np.all(np.isfinite(out[0, ~bad])), "NaN reached rows that do not see it"
     val, got = grads(ring, q_n, k_n, v_n)
     ref_val, want = grads(lambda a, b_, c: oracle.attention(a, b_, c, causal=True, q_seg=seg,
-                                                            kv_seg=seg)[0], q, k, v)
+                                                            kv_seg=seg, **oracle_vocab)[0],
+                          q, k, v)
     assert np.isfinite(float(val))
     assert abs(float(val) - float(ref_val)) <= 2e-2 * max(1.0, abs(float(ref_val)))
     for name, g, r in zip(("dq", "dk", "dv"), got, want):
@@ -643,17 +658,17 @@ class ContractTests:
       assert np.all(np.isfinite(g)), f"{name}: NaN reached rows that do not see it"
       assert np.max(np.abs(g - r)) <= 5e-2 * max(1.0, float(np.max(np.abs(r)))), name
 
-  @pytest.mark.parametrize("where,softcap", [("q", None), ("k", None), ("v", None),
-                                             ("q", 2.0)],
-                           ids=["q", "k", "v", "q-softcap"])
-  def test_nonfinite_values_a_row_sees_reach_it(self, where, softcap):
+  @pytest.mark.parametrize("where,softcap,sinks", [
+      ("q", None, False), ("k", None, False), ("v", None, False), ("q", 2.0, False),
+      ("v", None, True)],
+      ids=["q", "k", "v", "q-softcap", "v-sinks"])
+  def test_nonfinite_values_a_row_sees_reach_it(self, where, softcap, sinks):
     """NaN in one query, key or value entry: every row that sees it is non-finite, and so are
     the gradients that depend on it; every other row and gradient is finite and exact (no
-    block is dropped as if it had no key). With a soft-cap too (the pallas_gpu backward
-    evaluates part of its exponentials differently there)."""
+    block is dropped as if it had no key). With a soft-cap (the pallas_gpu backward evaluates
+    part of its exponentials differently there) and with sinks too."""
     self.require("ring")
-    if softcap is not None:
-      self.require("softcap")
+    vocab, oracle_vocab = self._nonfinite_vocab(softcap, sinks)
     case = self.adapt(RingCase("seen-nan", 4, causal=True))
     q, k, v, dout, _ = self._inputs(case)
     t, g = q.shape[1], N // case.kv_heads
@@ -669,8 +684,7 @@ class ContractTests:
 
     def ring(a, b_, c):
       return ringflash.ring_attention(a, b_, c, mesh=mesh, **self.options(), is_causal=True,
-                                      return_residual=True, backend=self.BACKEND,
-                                      logits_soft_cap=softcap,
+                                      return_residual=True, backend=self.BACKEND, **vocab,
                                       block_sizes=self.block_sizes(t // p, t // p))
 
     out, lse = (np.asarray(x, np.float32) for x in jax.jit(ring)(bad["q"], bad["k"], bad["v"]))
@@ -688,7 +702,7 @@ class ContractTests:
 
     def dense(upcast):
       return lambda a, b_, c: oracle.attention(a, b_, c, causal=True, upcast=upcast,
-                                               softcap=softcap)
+                                               **oracle_vocab)
 
     # Rows that do not see it: finite and exact, against the oracle on clean inputs (the
     # NaN entry never matters to them).

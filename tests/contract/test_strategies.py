@@ -90,8 +90,8 @@ def test_error_does_not_grow_with_ring_size(strategy):
 @pytest.mark.parametrize("where", ["q", pytest.param("v", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_nonfinite_rule(strategy, where):
-  _Strategy(strategy).test_nonfinite_values_a_row_sees_reach_it(where, None)
-  _Strategy(strategy).test_nonfinite_values_a_row_does_not_see_never_reach_it(where)
+  _Strategy(strategy).test_nonfinite_values_a_row_sees_reach_it(where, None, False)
+  _Strategy(strategy).test_nonfinite_values_a_row_does_not_see_never_reach_it(where, None, False)
 
 
 @pytest.mark.parametrize("strategy,options,n,k,mesh_axes,says", [
