@@ -658,6 +658,50 @@ class ContractTests:
       assert np.all(np.isfinite(g)), f"{name}: NaN reached rows that do not see it"
       assert np.max(np.abs(g - r)) <= 5e-2 * max(1.0, float(np.max(np.abs(r)))), name
 
+  def test_nonfinite_padding_past_the_lengths_never_reaches_a_row(self):
+    """Padded batches whose padding holds NaN (never written, or garbage): with query and
+    key lengths, the queries, keys and values at or past them never reach a row; rows past
+    their length give 0; outputs and gradients are finite and exact."""
+    self.require("ring", "lengths")
+    case = self.adapt(RingCase("padding-nan", 4, causal=True, batch=2))
+    q, k, v, dout, _ = self._inputs(case)
+    t = q.shape[1]
+    q_len = jnp.array([5 * t // 8, t], jnp.int32)
+    kv_len = jnp.array([t // 2 + 3, 7 * t // 8], jnp.int32)
+    pos = jnp.arange(t)
+
+    def past(lengths):
+      return (pos[None, :] >= lengths[:, None])[..., None, None]
+
+    q_n, k_n, v_n = (jnp.where(past(n), jnp.nan, x)
+                     for n, x in ((q_len, q), (kv_len, k), (kv_len, v)))
+    mesh = self.mesh(case.ring_size)
+
+    def ring(a, b_, c):
+      return ringflash.ring_attention(a, b_, c, mesh=mesh, **self.options(), is_causal=True,
+                                      query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+                                      return_residual=True, backend=self.BACKEND,
+                                      block_sizes=self.block_sizes(t // case.ring_size,
+                                                                   t // case.ring_size))
+
+    def dense(upcast):
+      return lambda a, b_, c: oracle.attention(a, b_, c, causal=True, upcast=upcast,
+                                               q_lengths=q_len, kv_lengths=kv_len)
+
+    def with_grads(attn, q_, k_, v_):
+      def loss(a, b_, c):
+        return jnp.sum(attn(a, b_, c)[0].astype(jnp.float32) * dout)
+      out, lse = jax.jit(attn)(q_, k_, v_)
+      return (out, lse) + tuple(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q_, k_, v_))
+
+    got = with_grads(ring, q_n, k_n, v_n)
+    for name, x in zip(("out", "dq", "dk", "dv"), got[:1] + got[2:]):
+      assert bool(jnp.all(jnp.isfinite(x))), f"{name}: NaN of the padding reached it"
+    assert not bool(jnp.any(jnp.isnan(got[1]))), "lse: NaN of the padding reached it"
+    assert bool(jnp.all(got[0][0, 5 * t // 8:] == 0)), "rows past their length give 0"
+    self.check(got, with_grads(dense(True), q, k, v), with_grads(dense(False), q, k, v),
+               low_precision=jnp.dtype(q.dtype) != jnp.float32)
+
   @pytest.mark.parametrize("where,softcap,sinks", [
       ("q", None, False), ("k", None, False), ("v", None, False), ("q", 2.0, False),
       ("v", None, True)],
