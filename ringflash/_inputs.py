@@ -119,8 +119,7 @@ def _times(g, x):
 
 @jax.custom_vjp
 def _sink_rescale(out, lse, sink):
-  weight, total = _sink_weight(lse, sink)
-  return out * weight.transpose(0, 2, 1)[..., None], total
+  return _sink_rescale_fwd(out, lse, sink)[0]
 
 
 def _sink_rescale_fwd(out, lse, sink):
