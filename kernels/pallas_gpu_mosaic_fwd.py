@@ -5,8 +5,19 @@ two compute warpgroups own `bq` query rows each (2 * bq rows per block) and one 
 warpgroup streams K/V tiles of `bk` rows through a `stages`-deep ring of shared-memory slots
 with TMA. Per K/V step a compute warpgroup issues S = Q K^T (wgmma, fp32 accumulator),
 applies the online softmax in registers (base 2, the scale folded into one FMA), and issues
-O += P V (wgmma, P from registers). A schedule barrier lets the two compute warpgroups take
-turns on the tensor cores while the other does its softmax (FlashAttention-3's ping-pong).
+O += P V (wgmma, P from registers). Two schedules (`overlap_schedule` picks one):
+
+- ping-pong: a schedule barrier lets the two compute warpgroups take turns on the tensor
+  cores while the other does its softmax (FlashAttention-3's ping-pong); each warpgroup waits
+  for its own S and then for its own P V.
+- overlap (H = Hv = 128 without a soft-cap): no schedule barrier; per step a warpgroup issues
+  S = Q K^T of this tile and then P V of the previous tile (P kept in registers from the
+  previous step), and runs this tile's softmax while P V is on the tensor cores
+  (FlashAttention-3's intra-warpgroup overlap); it waits for P V only before P is replaced.
+  The first step's P V multiplies zeros by a tile of zeros in shared memory (one more V slot),
+  so that every step has the same instructions and no NaN of a real V tile meets P = 0. On
+  the H200 this is 2-10% faster than the ping-pong for plain attention and no faster
+  soft-capped (docs/GPU_NOTES.md runs 66-67), hence the choice.
 
 The plan (kernels/pallas_gpu_common.py) gives each query tile its key-tile range and full
 run. The two query tiles of one block share the K/V stream, so the memory warpgroup loads the
@@ -43,6 +54,15 @@ from ringflash.kernels import base
 from ringflash.kernels import pallas_gpu_common as common
 
 
+def overlap_schedule(h: int, hv: int, block_q: int, block_k: int, stages: int, itemsize: int,
+                     softcap: float | None) -> bool:
+  """Whether the forward runs the overlap schedule (module docstring): plain attention at
+  H = Hv = 128, where it was measured faster, when its extra V slot fits shared memory."""
+  smem = ((2 * block_q * h + stages * block_k * (h + hv) + block_k * hv) * itemsize
+          + 2 * block_q * 4)
+  return softcap is None and h == hv == 128 and smem + 1024 <= common.SMEM_BYTES
+
+
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: bool,
             window, has_seg: bool, block_q: int, block_k: int, stages: int,
             softcap: float | None = None):
@@ -65,6 +85,8 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
   use_pos = causal or window is not None
   layout = plgpu.Layout.WGMMA
   row, col = layout.reduce(1), layout.reduce(0)   # [bq] along rows, [bk] along columns
+  overlap = overlap_schedule(h, hv, bq, bk, stages, jnp.dtype(dtype).itemsize, softcap)
+  zero_slot = stages                              # the overlap schedule's tile of zeros
 
   def body(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, plan_ref,
            o_ref, lse_ref, scoped):
@@ -79,6 +101,8 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
     pb = lax.min(bi, plan_ref.shape[0] - 1)        # plan rows: B, or 1 without segments
 
     def turn():
+      if overlap:
+        return
       plgpu.barrier_arrive(sched)
       plgpu.barrier_wait(sched)
 
@@ -101,6 +125,11 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
       m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
       l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
       acc = plgpu.layout_cast(jnp.full((bq, hv), 0.0, jnp.float32), layout)
+      if overlap:
+        # Both compute warpgroups write the same zeros; each reads the slot only after its
+        # own write is fenced.
+        v_smem.at[zero_slot][...] = plgpu.layout_cast(jnp.zeros((bk, hv), dtype), layout)
+        plgpu.commit_smem()
 
       pl.when(wg == 1)(turn)
 
@@ -117,18 +146,8 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
         turn()
         return carry
 
-      def step(kv, carry, use_mask):
-        acc, m_i, l_i = carry
-        slot = slot_of(kv)
-        plgpu.barrier_wait(k_bar.at[slot])
-
-        def qk_scope(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-          turn()
-          return acc_ref[...]
-
-        s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
+      def softmax(s, m_i, l_i, kv, use_mask):
+        """p (float32), alpha, the new m and l of one tile's raw scores s."""
         if softcap is not None:
           s = jnp.tanh(s * (scale / softcap))       # capped score / cap, in [-1, 1]
         if use_mask:
@@ -154,8 +173,24 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
           m_use = m_new
         alpha = jnp.exp2(m_i - m_use)
         p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         l_i = l_i * alpha + p.sum(axis=1)
+        return p, alpha, m_new, l_i
+
+      def step(kv, carry, use_mask):
+        # The ping-pong schedule.
+        acc, m_i, l_i = carry
+        slot = slot_of(kv)
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def qk_scope(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+          turn()
+          return acc_ref[...]
+
+        s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        p, alpha, m_new, l_i = softmax(s, m_i, l_i, kv, use_mask)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         p16 = p.astype(dtype)
         acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
         plgpu.barrier_arrive(sched)
@@ -169,19 +204,66 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i
 
+      def step_overlap(kv, carry, use_mask, o_acc):
+        # The overlap schedule: carry holds the previous tile's P (bf16) and alpha; O lives
+        # in the accumulator o_acc.
+        p16_prev, alpha_prev, m_i, l_i = carry
+        slot = slot_of(kv)
+        first = kv == lo
+        prev = slot_of(kv - 1)
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def qk_scope(s_ref):
+          plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+          o = plgpu.wgmma_accumulator_load(o_acc, wait_n=None)   # its P V: waited for
+          o_acc[...] = o * lax.broadcast_in_dim(alpha_prev, o.shape, [0])
+          pl.when(jnp.logical_not(first))(lambda: plgpu.barrier_wait(v_bar.at[prev]))
+          plgpu.wgmma(o_acc, p16_prev, v_smem.at[jnp.where(first, zero_slot, prev)])
+          return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)    # S; P V may run on
+
+        s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        p, alpha, m_new, l_i = softmax(s, m_i, l_i, kv, use_mask)
+        plgpu.wgmma_wait(0)
+        pl.when(jnp.logical_not(first))(lambda: plgpu.barrier_arrive(v_free.at[prev]))
+        return p.astype(dtype), alpha, m_new, l_i
+
       def run(start, stop, fn, carry):
         # Loops count from 0: inside shard_map the loaded bounds carry the mesh axis in
         # their type, and a loop index starting at such a bound would not match its own
         # increment.
         return lax.fori_loop(0, stop - start, lambda i, c: fn(start + i, c), carry)
 
-      carry = (acc, m_i, l_i)
+      def steps(fn, carry):
+        if masked:
+          carry = run(lo, flo, functools.partial(fn, use_mask=True), carry)
+        carry = run(flo, fhi, functools.partial(fn, use_mask=False), carry)
+        if masked:
+          carry = run(fhi, hi, functools.partial(fn, use_mask=True), carry)
+        return carry
+
+      def overlapped(o_acc):
+        o_acc[...] = acc
+        p16 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), layout)
+        one = plgpu.layout_cast(jnp.full((bq,), 1.0, jnp.float32), row)
+        p16, alpha, m_f, l_f = steps(functools.partial(step_overlap, o_acc=o_acc),
+                                     (p16, one, m_i, l_i))
+        # The last tile's P V (with no tile: zeros times the tile of zeros).
+        has = lo < hi
+        last = slot_of(hi - 1)
+        o = plgpu.wgmma_accumulator_load(o_acc, wait_n=None)
+        o_acc[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+        pl.when(has)(lambda: plgpu.barrier_wait(v_bar.at[last]))
+        plgpu.wgmma(o_acc, p16, v_smem.at[jnp.where(has, last, zero_slot)])
+        o = plgpu.wgmma_accumulator_load(o_acc, wait_n=0)
+        pl.when(has)(lambda: plgpu.barrier_arrive(v_free.at[last]))
+        return o, m_f, l_f
+
       run(u_lo, lo, skip_step, None)
-      if masked:
-        carry = run(lo, flo, functools.partial(step, use_mask=True), carry)
-      carry = run(flo, fhi, functools.partial(step, use_mask=False), carry)
-      if masked:
-        carry = run(fhi, hi, functools.partial(step, use_mask=True), carry)
+      if overlap:
+        carry = pl.run_scoped(overlapped, plgpu.ACC((bq, hv), jnp.float32))
+      else:
+        carry = steps(step, (acc, m_i, l_i))
       run(hi, u_hi, skip_step, None)
       acc, m_i, l_i = carry
       pl.when(wg == 0)(turn)
@@ -231,7 +313,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
     scratch = [
         plgpu.SMEM((2, bq, h), dtype, transforms=(tiling, swizzle)),
         plgpu.SMEM((stages, bk, h), dtype, transforms=(tiling, swizzle)),      # K
-        plgpu.SMEM((stages, bk, hv), dtype, transforms=(tiling, swizzle)),     # V
+        plgpu.SMEM((stages + overlap, bk, hv), dtype, transforms=(tiling, swizzle)),  # V
         plgpu.SMEM((2, bq), jnp.float32),
     ]
     pl.run_scoped(

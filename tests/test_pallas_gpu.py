@@ -187,6 +187,9 @@ def _lower_for_cuda(fn, *shapes):
 LOWER_CASES = [
     # which, causal, segs, window, n, kh, h, hv, t, softcap
     ("forward", True, False, None, 4, 2, 128, 128, 512, None),
+    # the overlap schedule (plain, H = Hv = 128) with segments and a window, and alone
+    ("forward", False, True, (40, 20), 4, 1, 128, 128, 256, None),
+    ("forward", False, False, None, 2, 2, 128, 128, 256, None),
     ("forward", False, True, (40, 20), 4, 1, 64, 64, 256, None),
     ("forward", True, False, None, 2, 2, 256, 256, 256, None),
     ("backward", False, False, None, 4, 4, 128, 128, 512, None),
@@ -209,6 +212,18 @@ LOWER_CASES = [
     ("backward", True, False, None, 4, 2, 80, 80, 256, None),
     ("backward", False, True, None, 2, 1, 112, 48, 256, 3.0),
 ]
+
+
+def test_forward_schedule_choice():
+  """The overlap schedule where it was measured faster (plain, H = Hv = 128) and its extra V
+  slot fits shared memory; the ping-pong everywhere else."""
+  from ringflash.kernels import pallas_gpu_mosaic_fwd as fwd
+  choose = lambda h, hv, stages=2, softcap=None: fwd.overlap_schedule(
+      h, hv, 64, 128, stages, 2, softcap)
+  assert choose(128, 128)
+  assert not choose(128, 128, softcap=30.0)
+  assert not choose(64, 64) and not choose(192, 128) and not choose(128, 64)
+  assert not choose(128, 128, stages=3)          # 3 stages + the zero slot: 256 KiB
 
 
 def _in_shard_map(fn, seq_dims, out_dims, mesh=None):
