@@ -137,7 +137,7 @@ def resolve_tiles(given: GpuBlockSizes | None, problem: base.Problem) -> GpuBloc
     bk = 128 if hv <= 128 and h <= 192 and problem.kv_len % 128 == 0 else 64
   stages = 2 if given.stages is None else given.stages
   itemsize = jnp.dtype(problem.dtype).itemsize
-  smem = (2 * bq * h + stages * bk * (h + hv)) * itemsize + 2 * bq * 4
+  smem = common.forward_smem_bytes(h, hv, bq, bk, stages, itemsize)
   if smem > common.SMEM_BYTES:
     raise ValueError(f"block_sizes=({bq}, {bk}, stages={stages}) at head_dim={h}, "
                      f"head_dim_v={hv} (padded) needs {smem} bytes of shared memory per "

@@ -29,6 +29,14 @@ LN2 = math.log(2.0)
 # Shared memory a CUDA block may use on Hopper (227 KiB).
 SMEM_BYTES = 227 * 1024
 
+
+def forward_smem_bytes(h: int, hv: int, block_q: int, block_k: int, stages: int,
+                       itemsize: int, extra_v_slots: int = 0) -> int:
+  """Shared memory of the Mosaic forward's buffers: Q of 2 * block_q rows, `stages` K slots,
+  `stages + extra_v_slots` V slots of block_k rows, and the two warpgroups' lse rows."""
+  return ((2 * block_q * h + stages * block_k * h + (stages + extra_v_slots) * block_k * hv)
+          * itemsize + 2 * block_q * 4)
+
 # 2^f for f in [-1/2, 1/2], the polynomial of degree 5 with the least maximum relative error,
 # lowest power first. Through exp2_fma in float32 it stays within 2.4e-7 of 2^x (measured
 # over [-124, 1]), the accuracy of the MUFU's ex2.approx.f32.

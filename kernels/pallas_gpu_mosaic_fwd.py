@@ -58,8 +58,7 @@ def overlap_schedule(h: int, hv: int, block_q: int, block_k: int, stages: int, i
                      softcap: float | None) -> bool:
   """Whether the forward runs the overlap schedule (module docstring): plain attention at
   H = Hv = 128, where it was measured faster, when its extra V slot fits shared memory."""
-  smem = ((2 * block_q * h + stages * block_k * (h + hv) + block_k * hv) * itemsize
-          + 2 * block_q * 4)
+  smem = common.forward_smem_bytes(h, hv, block_q, block_k, stages, itemsize, extra_v_slots=1)
   return softcap is None and h == hv == 128 and smem + 1024 <= common.SMEM_BYTES
 
 
@@ -204,6 +203,14 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i
 
+      def rescale_and_pv(o_acc, p16, alpha, slot, real):
+        """O = alpha O, then P V of the tile in `slot` (of the tile of zeros where not
+        `real`) issued into O, not waited for."""
+        o = plgpu.wgmma_accumulator_load(o_acc, wait_n=None)   # its last P V: waited for
+        o_acc[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+        pl.when(real)(lambda: plgpu.barrier_wait(v_bar.at[slot]))
+        plgpu.wgmma(o_acc, p16, v_smem.at[jnp.where(real, slot, zero_slot)])
+
       def step_overlap(kv, carry, use_mask, o_acc):
         # The overlap schedule: carry holds the previous tile's P (bf16) and alpha; O lives
         # in the accumulator o_acc.
@@ -215,10 +222,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
 
         def qk_scope(s_ref):
           plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
-          o = plgpu.wgmma_accumulator_load(o_acc, wait_n=None)   # its P V: waited for
-          o_acc[...] = o * lax.broadcast_in_dim(alpha_prev, o.shape, [0])
-          pl.when(jnp.logical_not(first))(lambda: plgpu.barrier_wait(v_bar.at[prev]))
-          plgpu.wgmma(o_acc, p16_prev, v_smem.at[jnp.where(first, zero_slot, prev)])
+          rescale_and_pv(o_acc, p16_prev, alpha_prev, prev, jnp.logical_not(first))
           return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)    # S; P V may run on
 
         s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), jnp.float32))
@@ -251,10 +255,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
         # The last tile's P V (with no tile: zeros times the tile of zeros).
         has = lo < hi
         last = slot_of(hi - 1)
-        o = plgpu.wgmma_accumulator_load(o_acc, wait_n=None)
-        o_acc[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-        pl.when(has)(lambda: plgpu.barrier_wait(v_bar.at[last]))
-        plgpu.wgmma(o_acc, p16, v_smem.at[jnp.where(has, last, zero_slot)])
+        rescale_and_pv(o_acc, p16, alpha, last, has)
         o = plgpu.wgmma_accumulator_load(o_acc, wait_n=0)
         pl.when(has)(lambda: plgpu.barrier_arrive(v_free.at[last]))
         return o, m_f, l_f
