@@ -28,14 +28,25 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # Shared memory a CUDA block may use on Hopper (227 KiB).
 SMEM_BYTES = 227 * 1024
+# How Mosaic GPU lays out a kernel's shared memory: each scoped buffer starts at a multiple of
+# SMEM_ALIGNMENT bytes; a kernel with row reductions (the forward's max and sum) gets
+# REDUCTION_SCRATCH bytes for them (plgpu.CompilerParams.reduction_scratch_bytes, its
+# default); each barrier takes MBARRIER_BYTES.
+SMEM_ALIGNMENT = 1024
+REDUCTION_SCRATCH = 128 * 4 * 4
+MBARRIER_BYTES = 8
 
 
 def forward_smem_bytes(h: int, hv: int, block_q: int, block_k: int, stages: int,
                        itemsize: int, extra_v_slots: int = 0) -> int:
-  """Shared memory of the Mosaic forward's buffers: Q of 2 * block_q rows, `stages` K slots,
-  `stages + extra_v_slots` V slots of block_k rows, and the two warpgroups' lse rows."""
-  return ((2 * block_q * h + stages * block_k * h + (stages + extra_v_slots) * block_k * hv)
-          * itemsize + 2 * block_q * 4)
+  """Shared memory of the Mosaic forward, as Mosaic GPU allocates it: Q of 2 * block_q rows,
+  `stages` K slots, `stages + extra_v_slots` V slots of block_k rows and the two
+  warpgroups' lse rows, each aligned; the reduction scratch; 4 * stages + 3 barriers (K and
+  V arrivals and releases per stage, Q's two and the schedule barrier)."""
+  buffers = (2 * block_q * h * itemsize, stages * block_k * h * itemsize,
+             (stages + extra_v_slots) * block_k * hv * itemsize, 2 * block_q * 4)
+  aligned = sum(-(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for size in buffers)
+  return aligned + REDUCTION_SCRATCH + (4 * stages + 3) * MBARRIER_BYTES
 
 # 2^f for f in [-1/2, 1/2], the polynomial of degree 5 with the least maximum relative error,
 # lowest power first. Through exp2_fma in float32 it stays within 2.4e-7 of 2^x (measured

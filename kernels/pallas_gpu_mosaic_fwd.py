@@ -59,7 +59,7 @@ def overlap_schedule(h: int, hv: int, block_q: int, block_k: int, stages: int, i
   """Whether the forward runs the overlap schedule (module docstring): plain attention at
   H = Hv = 128, where it was measured faster, when its extra V slot fits shared memory."""
   smem = common.forward_smem_bytes(h, hv, block_q, block_k, stages, itemsize, extra_v_slots=1)
-  return softcap is None and h == hv == 128 and smem + 1024 <= common.SMEM_BYTES
+  return softcap is None and h == hv == 128 and smem <= common.SMEM_BYTES
 
 
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: bool,

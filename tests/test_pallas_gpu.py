@@ -351,6 +351,32 @@ def test_forward_tiles_beyond_shared_memory_raise():
   assert (tiles.block_q, tiles.block_k, tiles.stages) == (64, 128, 2)
 
 
+@pytest.mark.parametrize("h,hv,block_k,stages", [
+    (128, 128, 128, 3),     # Q, K and V alone 224 KiB: under the 227, over with the rest
+    (256, 256, 64, 3),
+    (64, 64, 128, 7),
+])
+def test_forward_shared_memory_is_what_mosaic_allocates(h, hv, block_k, stages):
+  """common.forward_smem_bytes counts the forward's shared memory as Mosaic GPU allocates it
+  (aligned buffers, reduction scratch, barriers): for tiles just over Hopper's 227 KiB
+  Mosaic GPU's own count, from its error, is the same number, and resolve_tiles refuses
+  those tiles with a ValueError naming block_sizes before any compile."""
+  t = 1024
+  tiles = ringflash.GpuBlockSizes(64, block_k, stages)
+  with pytest.raises(ValueError, match="block_sizes"):
+    pallas_gpu.resolve_tiles(tiles, _problem(t, t, h, 2, 2, hv=hv))
+  expected = common.forward_smem_bytes(h, hv, 64, block_k, stages, 2)
+  assert expected > common.SMEM_BYTES
+  spec = base.KernelSpec(scale=h ** -0.5, causal=True, tiles=tiles)
+  q = jax.ShapeDtypeStruct((1, t, 4, h), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, t, 2, h), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, t, 2, hv), jnp.bfloat16)
+  pos = jax.ShapeDtypeStruct((t,), jnp.int32)
+  with pytest.raises(ValueError, match=f"smem_bytes={expected} >"):
+    _lower_for_cuda(lambda q, k, v, p: pallas_gpu.forward(q, k, v, p, p, None, None, spec),
+                    q, k, v, pos)
+
+
 @pytest.mark.parametrize("h,hv,softcap,dtype,why", [
     (128, 128, 30.0, jnp.bfloat16, None),
     (192, 128, None, jnp.bfloat16, None),             # MLA
