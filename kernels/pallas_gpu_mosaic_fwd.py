@@ -16,8 +16,9 @@ O += P V (wgmma, P from registers). Two schedules (`overlap_schedule` picks one)
   (FlashAttention-3's intra-warpgroup overlap); it waits for P V only before P is replaced.
   The first step's P V multiplies zeros by a tile of zeros in shared memory (one more V slot),
   so that every step has the same instructions and no NaN of a real V tile meets P = 0. On
-  the H200 this is 2-10% faster than the ping-pong for plain attention and no faster
-  soft-capped (docs/GPU_NOTES.md runs 66-67), hence the choice.
+  the H200 this is 2-10% faster than the ping-pong for plain attention at H = 128 (MHA and
+  GQA), no faster at H = 64 or 192 / 128, and no faster soft-capped (docs/GPU_NOTES.md runs
+  66-69), hence the choice.
 
 The plan (kernels/pallas_gpu_common.py) gives each query tile its key-tile range and full
 run. The two query tiles of one block share the K/V stream, so the memory warpgroup loads the
