@@ -87,6 +87,21 @@ def fused_backward(head_dim: int, value_dim: int, kv_len: int, interpret: bool) 
           and kv_len % (2 * BWD_BLOCK) == 0)
 
 
+def triton_config(hp: int, hvp: int) -> tuple[tuple[int, int], tuple[int, int]]:
+  """(num_warps, num_stages) of the Triton backward's two kernels (dq; dk and dv) at padded
+  head dims hp, hvp, as measured on the H200 (docs/GPU_NOTES.md run 76, T = 16k):
+  - 256 / 128 (MLA's 192 / 128, and 160 / 72): dq 4 warps, dk and dv 8, both 3 stages:
+    1.27x causal and 1.29x not over 4 warps and 2 stages;
+  - 256 / 256: 8 warps, 2 stages (3 stages exceed shared memory; 1 stage was slower, and
+    4 warps: 39.7 ms against 32.4 causal, an earlier session);
+  - elsewhere 4 warps, 2 stages (not measured otherwise)."""
+  if (hp, hvp) == (256, 128):
+    return (4, 8), (3, 3)
+  if hp + hvp > 384:
+    return (8, 8), (2, 2)
+  return (4, 4), (2, 2)
+
+
 def _major(compute_capability) -> int:
   try:
     return int(str(compute_capability).split(".")[0])
@@ -209,12 +224,9 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
     dq, dk, dv = pallas_gpu_mosaic_bwd.backward(*args, dlse=dlse)
   else:
     from ringflash.kernels import pallas_gpu_triton_bwd  # pylint: disable=g-import-not-at-top
-    # 8 warps where dK and dV are [64, 256] each (they halve each thread's share of the
-    # accumulators; 39.7 -> 32.4 ms at T = 16k causal on the H200); 4 elsewhere (at 256 / 128,
-    # 8 warps took 27.6 ms against 25.4).
-    warps = 8 if hp + hvp > 384 else 4
+    warps, stages = triton_config(hp, hvp)
     dq, dk, dv = pallas_gpu_triton_bwd.backward(*args, dlse=dlse, block=BWD_BLOCK,
-                                                num_warps=warps)
+                                                num_warps=warps, num_stages=stages)
   if hp != h:
     dq, dk = dq[..., :h], dk[..., :h]
   if hvp != hv:

@@ -140,12 +140,14 @@ def _dkv_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_
 
 
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
-             dlse=None, block: int = 64, num_warps: int = 4):
+             dlse=None, block: int = 64, num_warps: tuple[int, int] = (4, 4),
+             num_stages: tuple[int, int] = (2, 2)):
   """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32.
 
   q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], out and dout [B, T, N, Hv]; on a GPU H
-  and Hv powers of two. block: query and key rows per tile; num_warps: per Triton program
-  (kernels/pallas_gpu.py takes 8 where H = Hv = 256).
+  and Hv powers of two. block: query and key rows per tile; num_warps and num_stages: per
+  Triton program of the dq kernel and of the dk, dv kernel (kernels/pallas_gpu.py,
+  triton_config, chooses them by head dims).
   """
   b, t = q.shape[0], q.shape[1]
   s = k.shape[1]
@@ -167,12 +169,12 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   # without mesh-axis typing and restore it on the outputs (match_vma below).
   with base.no_vma_check():
     dq, dk, dv = _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng,
-                        k_rng, spec, window, bq, bk, num_warps)
+                        k_rng, spec, window, bq, bk, num_warps, num_stages)
   return tuple(base.match_vma(x, *refs) for x in (dq, dk, dv))
 
 
 def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_rng, spec,
-           window, bq, bk, num_warps):
+           window, bq, bk, num_warps, num_stages):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
   b, t, n, h = q.shape
@@ -182,8 +184,10 @@ def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_
   nq, nk = t // bq, s // bk
   has_seg = q_seg is not None
   seg_args = (q_seg.astype(jnp.int32), k_seg.astype(jnp.int32)) if has_seg else ()
-  params = dict(interpret=bool(spec.interpret),
-                compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2))
+  params_dq, params_dkv = (
+      dict(interpret=bool(spec.interpret),
+           compiler_params=pltriton.CompilerParams(num_warps=w, num_stages=st))
+      for w, st in zip(num_warps, num_stages))
 
   def with_seg(kernel):
     """Insert None for the segment refs when there are none (8 refs precede them)."""
@@ -215,7 +219,7 @@ def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_
       ],
       out_specs=pl.BlockSpec((None, bq, None, h), lambda bi, ni, i: (bi, i, ni, 0)),
       out_shape=jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),
-      **params,
+      **params_dq,
   )(q, dout, k, v, lse_safe, delta, q_pos, k_pos, *seg_args, q_rng)
 
   # dk, dv: grid (batch, kv head, key tile); the G query heads of the group in one block
@@ -242,6 +246,6 @@ def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_
       out_specs=[k_block, v_block],
       out_shape=[jax.ShapeDtypeStruct((b, s, kh, h), jnp.float32),
                  jax.ShapeDtypeStruct((b, s, kh, hv), jnp.float32)],
-      **params,
+      **params_dkv,
   )(q, dout, k, v, lse_safe, delta, q_pos, k_pos, *seg_args, k_rng)
   return dq, dk, dv

@@ -402,18 +402,20 @@ def test_unsupported_names_what_it_refuses(h, hv, softcap, dtype, why):
     assert why in reason and "pallas_gpu" in reason
 
 
-@pytest.mark.parametrize("h,hv,block_k,fused,dims", [
-    (128, 128, 128, True, (128, 128)),
-    (64, 64, 128, True, (64, 64)),
-    (128, 64, 128, True, (128, 64)),
-    (64, 128, 128, True, (64, 128)),
-    (80, 96, 128, True, (128, 128)),          # both padded to 128
-    (192, 128, 128, False, (256, 128)),       # MLA: forward native, Triton backward at 256
-    (256, 256, 64, False, (256, 256)),
-    (160, 72, 128, False, (256, 128)),        # forward at 192 / 128, as MLA
+@pytest.mark.parametrize("h,hv,block_k,fused,dims,triton", [
+    (128, 128, 128, True, (128, 128), None),
+    (64, 64, 128, True, (64, 64), None),
+    (128, 64, 128, True, (128, 64), None),
+    (64, 128, 128, True, (64, 128), None),
+    (80, 96, 128, True, (128, 128), None),          # both padded to 128
+    # MLA: forward native, Triton backward at 256 / 128, its warps and stages measured there
+    (192, 128, 128, False, (256, 128), ((4, 8), (3, 3))),
+    (256, 256, 64, False, (256, 256), ((8, 8), (2, 2))),
+    (160, 72, 128, False, (256, 128), ((4, 8), (3, 3))),    # forward at 192 / 128, as MLA
 ])
-def test_which_kernel_takes_which_head_dims(h, hv, block_k, fused, dims):
-  """The forward's default key tile, and which backward runs at which padded head dims."""
+def test_which_kernel_takes_which_head_dims(h, hv, block_k, fused, dims, triton):
+  """The forward's default key tile, which backward runs at which padded head dims, and the
+  Triton backward's warps and stages there."""
   tiles = pallas_gpu.resolve_tiles(None, _problem(1024, 1024, h, 2, 2, hv=hv))
   assert tiles.block_k == block_k
   assert pallas_gpu.fused_backward(h, hv, 1024, interpret=False) == fused
@@ -421,6 +423,8 @@ def test_which_kernel_takes_which_head_dims(h, hv, block_k, fused, dims):
   assert (size(h), size(hv)) == dims
   assert not pallas_gpu.fused_backward(h, hv, 1024 + 64, interpret=False)
   assert not pallas_gpu.fused_backward(h, hv, 1024, interpret=True)
+  config = pallas_gpu.triton_config(pallas_gpu.triton_dim(h), pallas_gpu.triton_dim(hv))
+  assert config == (((4, 4), (2, 2)) if triton is None else triton)
 
 
 # ----------------------------------------------------------------------------- H200
