@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ringflash import _validate
+from ringflash.kernels import base
 
 PAD_Q = np.iinfo(np.int32).max
 PAD_K = np.iinfo(np.int32).min
@@ -96,6 +97,9 @@ def add_sinks(out, lse, sinks):
     lse [B, N, T] float32, sinks [N].
   """
   sink = jnp.asarray(sinks, jnp.float32)[None, :, None]                  # [1, N, 1]
+  # Inside a caller's shard_map the rows vary over mesh axes that a replicated sink does not:
+  # typed as varying like them, its cotangent is summed over those devices by JAX.
+  sink = base.match_vma(sink, lse)
   scaled, total = _sink_rescale(out.astype(jnp.float32), lse, sink)
   return scaled.astype(out.dtype), total
 

@@ -805,27 +805,50 @@ class ContractTests:
       else:
         assert helpers.max_err(g, w) <= 3 * helpers.max_err(p, w)
 
-  def test_sharded_entry_inside_callers_shard_map(self):
+  @pytest.mark.parametrize("vocab", [False, True], ids=["plain", "sinks-lengths"])
+  def test_sharded_entry_inside_callers_shard_map(self, vocab):
     """ring_attention_sharded in the caller's own shard_map (check_vma as the backend
-    needs, SHARD_MAP_CHECK_VMA), against the oracle (forward and gradients)."""
-    self.require("ring", "segments")
+    needs, SHARD_MAP_CHECK_VMA), against the oracle (forward and gradients). With vocab,
+    replicated sinks and sequence lengths too: the sinks' gradient is summed over the
+    devices."""
+    self.require("ring", "segments", *(("sinks", "lengths") if vocab else ()))
     case = self.adapt(RingCase("sharded", 4, causal=True, segments="packed"))
     q, k, v, dout, seg = self._inputs(case)
     mesh = self.mesh(case.ring_size)
+    rng = np.random.default_rng(7)
+    b, t = q.shape[0], q.shape[1]
+    sinks = jnp.asarray(rng.normal(size=N) * 2, jnp.float32) if vocab else None
+    q_len = jnp.asarray(rng.integers(t // 2, t, b), jnp.int32) if vocab else None
+    kv_len = jnp.asarray(rng.integers(t // 3, t, b), jnp.int32) if vocab else None
 
-    def local(q, k, v, seg):
+    def local(q, k, v, seg, sinks):
       return ringflash.ring_attention_sharded(
           q, k, v, axis_name="sp", is_causal=True, segment_ids=seg, return_residual=True,
-          backend=self.BACKEND, block_sizes=self.block_sizes(q.shape[1], k.shape[1]))
+          backend=self.BACKEND, block_sizes=self.block_sizes(q.shape[1], k.shape[1]),
+          sinks=sinks, query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 4,
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 4 + (P(),),
                        out_specs=(P(None, "sp"), P(None, None, "sp")),
                        check_vma=self.SHARD_MAP_CHECK_VMA)
 
-    @jax.jit
-    def run(q, k, v, dout, seg):
-      (out, lse), vjp = jax.vjp(lambda a, b_, c: fn(a, b_, c, seg), q, k, v)
-      return (out, lse) + vjp((dout, jnp.zeros_like(lse)))
+    def grads(attn):
+      @jax.jit
+      def run(q, k, v, dout, sinks):
+        (out, lse), vjp = jax.vjp(attn, q, k, v, sinks)
+        return (out, lse) + vjp((dout.astype(out.dtype), jnp.zeros_like(lse)))
+      return run(q, k, v, dout, sinks)
 
-    got = run(q, k, v, dout, seg)
-    self.check(got, self._oracle(case), self._oracle(case, upcast=False))
+    def dense(upcast):
+      return lambda q, k, v, sinks: oracle.attention(
+          q, k, v, causal=True, q_seg=seg, kv_seg=seg, sinks=sinks, q_lengths=q_len,
+          kv_lengths=kv_len, upcast=upcast)
+
+    got = grads(lambda q, k, v, sinks: fn(q, k, v, seg, sinks))
+    ref, plain = grads(dense(True)), grads(dense(False))
+    self.check(got[:5], ref[:5], plain[:5],
+               low_precision=jnp.dtype(q.dtype) != jnp.float32)
+    if vocab:
+      g, r, pl_ = (np.asarray(x[5], np.float32) for x in (got, ref, plain))
+      tol = (3 * float(np.max(np.abs(pl_ - r))) if jnp.dtype(q.dtype) != jnp.float32
+             else helpers.fp32_tol(r))
+      assert np.max(np.abs(g - r)) <= max(tol, 1e-6), ("dsinks", g, r)
