@@ -83,8 +83,10 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
     q_ok = q_ok & (q_pos[None, :] < _rows(jnp.asarray(q_lengths, jnp.int32), lead)[:, None])
   if kv_lengths is not None:
     k_ok = k_ok & (k_pos[None, :] < _rows(jnp.asarray(kv_lengths, jnp.int32), lead)[:, None])
-  return (q, k, v, jnp.where(q_ok, q_ids, PAD_Q).astype(jnp.int32),
-          jnp.where(k_ok, kv_ids, PAD_K).astype(jnp.int32))
+  # Inside a caller's shard_map, ids made from replicated lengths alone vary over no mesh
+  # axis: typed like the rows they mask, so that the ring can carry them with K and V.
+  return (q, k, v, base.match_vma(jnp.where(q_ok, q_ids, PAD_Q).astype(jnp.int32), q),
+          base.match_vma(jnp.where(k_ok, kv_ids, PAD_K).astype(jnp.int32), k))
 
 
 def add_sinks(out, lse, sinks):

@@ -805,21 +805,26 @@ class ContractTests:
       else:
         assert helpers.max_err(g, w) <= 3 * helpers.max_err(p, w)
 
-  @pytest.mark.parametrize("vocab", [False, True], ids=["plain", "sinks-lengths"])
-  def test_sharded_entry_inside_callers_shard_map(self, vocab):
+  @pytest.mark.parametrize("extra", ["segments", "segments-sinks-lengths", "query-lengths"])
+  def test_sharded_entry_inside_callers_shard_map(self, extra):
     """ring_attention_sharded in the caller's own shard_map (check_vma as the backend
-    needs, SHARD_MAP_CHECK_VMA), against the oracle (forward and gradients). With vocab,
-    replicated sinks and sequence lengths too: the sinks' gradient is summed over the
-    devices."""
-    self.require("ring", "segments", *(("sinks", "lengths") if vocab else ()))
-    case = self.adapt(RingCase("sharded", 4, causal=True, segments="packed"))
+    needs, SHARD_MAP_CHECK_VMA), against the oracle (forward and gradients); sinks and
+    sequence lengths replicated (the sinks' gradient summed over the devices), query
+    lengths alone (key ids that vary over no mesh axis)."""
+    sinks_lengths, segments = "sinks" in extra, "segments" in extra
+    self.require("ring", *(("segments",) if segments else ()),
+                 *(("sinks",) if sinks_lengths else ()),
+                 *(("lengths",) if "lengths" in extra else ()))
+    case = self.adapt(RingCase("sharded", 4, causal=True,
+                               segments="packed" if segments else None))
     q, k, v, dout, seg = self._inputs(case)
     mesh = self.mesh(case.ring_size)
     rng = np.random.default_rng(7)
     b, t = q.shape[0], q.shape[1]
-    sinks = jnp.asarray(rng.normal(size=N) * 2, jnp.float32) if vocab else None
-    q_len = jnp.asarray(rng.integers(t // 2, t, b), jnp.int32) if vocab else None
-    kv_len = jnp.asarray(rng.integers(t // 3, t, b), jnp.int32) if vocab else None
+    sinks = jnp.asarray(rng.normal(size=N) * 2, jnp.float32) if sinks_lengths else None
+    q_len = (jnp.asarray(rng.integers(t // 2, t, b), jnp.int32) if "lengths" in extra
+             else None)
+    kv_len = jnp.asarray(rng.integers(t // 3, t, b), jnp.int32) if sinks_lengths else None
 
     def local(q, k, v, seg, sinks):
       return ringflash.ring_attention_sharded(
@@ -827,7 +832,8 @@ class ContractTests:
           backend=self.BACKEND, block_sizes=self.block_sizes(q.shape[1], k.shape[1]),
           sinks=sinks, query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 4 + (P(),),
+    fn = jax.shard_map(local, mesh=mesh,
+                       in_specs=(P(None, "sp"),) * 3 + (P(None, "sp") if segments else P(), P()),
                        out_specs=(P(None, "sp"), P(None, None, "sp")),
                        check_vma=self.SHARD_MAP_CHECK_VMA)
 
@@ -847,7 +853,7 @@ class ContractTests:
     ref, plain = grads(dense(True)), grads(dense(False))
     self.check(got[:5], ref[:5], plain[:5],
                low_precision=jnp.dtype(q.dtype) != jnp.float32)
-    if vocab:
+    if sinks_lengths:
       g, r, pl_ = (np.asarray(x[5], np.float32) for x in (got, ref, plain))
       tol = (3 * float(np.max(np.abs(pl_ - r))) if jnp.dtype(q.dtype) != jnp.float32
              else helpers.fp32_tol(r))
