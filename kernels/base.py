@@ -25,10 +25,10 @@ Non-finite values, the same on every backend: a NaN or Inf in a position a row a
 (its query, or the key or value of a key it sees) makes that row's output non-finite, and
 the gradients that depend on it; one in a position the row does not see never reaches it.
 "No valid key" (o = 0, lse = -inf) is decided by the mask alone, never by a NaN statistic
-(`has_key`). The caller applies `guard_kv` to K/V once before forward kernels and
-`guard_backward` once before backward kernels (the ring does, before its pieces travel);
-the kernels then only need `where` masks (never a product) between masked pairs and their
-scores, and "no key" taken from the running max and sum.
+(`has_key`). The caller applies `guard_kv` to K/V and `guard_q` to Q once before forward
+kernels and `guard_backward` once before backward kernels (the ring does, before its pieces
+travel); the kernels then only need `where` masks (never a product) between masked pairs and
+their scores, and "no key" taken from the running max and sum.
 
 A backend module also has NAME, `unsupported(problem)` (why it cannot run a call: None if it
 can) and `resolve_tiles(block_sizes, problem)` (its tile configuration, kernels/tiles.py,
@@ -267,6 +267,24 @@ def guard_kv(k, v):
   bad = ~(jnp.all(jnp.isfinite(k), axis=-1) & jnp.all(jnp.isfinite(v), axis=-1))  # [B, S, K]
   return (jnp.where(bad[..., None], jnp.asarray(jnp.nan, k.dtype), k),
           jnp.where(bad[..., None], jnp.zeros((), v.dtype), v))
+
+
+def guard_q(q, softcap):
+  """The non-finite rule on queries under a soft-cap, applied once before any forward kernel.
+
+  Without a cap, a query row's NaN or Inf reaches its scores and its softmax (an infinite
+  score makes the row's max infinite and exp(inf - inf) NaN). cap * tanh(s / cap) would turn
+  an infinite score into a finite +-cap, and the backward (guard_backward: such an entry
+  counts as 0) would then differ from the forward; so with a cap, a query row holding a NaN
+  or Inf becomes all NaN. Elementwise, O(T * H); without a cap q is returned as it is.
+
+  Args:
+    q: [B, T, N, H]; softcap: the spec's cap or None.
+  """
+  if softcap is None:
+    return q
+  bad = ~jnp.all(jnp.isfinite(q), axis=-1, keepdims=True)                 # [B, T, N, 1]
+  return jnp.where(bad, jnp.asarray(jnp.nan, q.dtype), q)
 
 
 def guard_backward(q, k, v, out, dout, lse, dlse=None):

@@ -301,6 +301,7 @@ def decode_local(q, k, v, lengths, positions, spec: DecodeSpec):
     positions = natural_positions(spec.axis_name, k.shape[0], k.shape[1])
   if spec.guard:
     k, v = base.guard_kv(k, v)
+  q = base.guard_q(q, spec.core.softcap)
   if spec.strategy == "reduce":
     return combine(*attend_shard(q, k, v, lengths, positions, spec), spec.axis_name)
   if spec.strategy == "allgather":

@@ -74,8 +74,9 @@ class _Residuals(NamedTuple):
 
 
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: LocalSpec):
-  """(out in q's dtype, lse float32): the kernel's forward on guarded K/V."""
+  """(out in q's dtype, lse float32): the kernel's forward on guarded Q, K and V."""
   k, v = base.guard_kv(k, v)
+  q = base.guard_q(q, spec.kernel.softcap)
   o, lse = get_backend(spec.backend).forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec.kernel)
   return o.astype(q.dtype), lse
 

@@ -174,6 +174,7 @@ def _forward(q, k, v, q_seg, kv_seg, ring: ring_plan.RingSpec):
   refs = (q, k, v, q_pos, q_seg, kv_seg)
   # The non-finite rule, once, before the pieces travel (kernels/base.py).
   k, v = base.guard_kv(k, v)
+  q = base.guard_q(q, spec.softcap)
   pieces = _pieces((k, v, kv_seg), plan.parts)
 
   def body(s, carry, moving, computing):

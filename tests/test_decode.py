@@ -176,6 +176,23 @@ def test_non_finite_in_an_unseen_slot_never_reaches_a_token():
   assert bool(jnp.all(jnp.isfinite(seen[1])))
 
 
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_non_finite_query_reaches_its_token_under_a_soft_cap(value):
+  """cap * tanh would turn an infinite score into a finite cap: the token whose query holds
+  a NaN or Inf still gets non-finite output and lse (its other heads and tokens do not)."""
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(6, 2, 2, 64, 4, 2, 16)
+  lengths = jnp.array([30, 64], jnp.int32)
+  bad_q = q.at[0, 1, 2, 5].set(value)
+  out, lse = ringflash.decode_attention(bad_q, *_sharded(mesh, key, v), cache_lengths=lengths,
+                                        mesh=mesh, logits_soft_cap=5.0, return_residual=True)
+  assert bool(jnp.all(~jnp.isfinite(out[0, 1, 2]))) and not bool(jnp.isfinite(lse[0, 2, 1]))
+  ref = _reference(q, key, v, lengths, softcap=5.0)
+  keep = np.ones(out.shape[:3], bool)
+  keep[0, 1, 2] = False
+  assert helpers.max_err(out[keep], ref[0][keep]) <= helpers.fp32_tol(ref[0])
+
+
 def _collectives(text):
   return re.findall(r"\b(all-gather|all-to-all|all-reduce|reduce-scatter|"
                     r"collective-permute)(?:-start)?\(", text)

@@ -702,15 +702,17 @@ class ContractTests:
     self.check(got, with_grads(dense(True), q, k, v), with_grads(dense(False), q, k, v),
                low_precision=jnp.dtype(q.dtype) != jnp.float32)
 
-  @pytest.mark.parametrize("where,softcap,sinks", [
-      ("q", None, False), ("k", None, False), ("v", None, False), ("q", 2.0, False),
-      ("v", None, True)],
-      ids=["q", "k", "v", "q-softcap", "v-sinks"])
-  def test_nonfinite_values_a_row_sees_reach_it(self, where, softcap, sinks):
-    """NaN in one query, key or value entry: every row that sees it is non-finite, and so are
-    the gradients that depend on it; every other row and gradient is finite and exact (no
-    block is dropped as if it had no key). With a soft-cap (the pallas_gpu backward evaluates
-    part of its exponentials differently there) and with sinks too."""
+  @pytest.mark.parametrize("where,softcap,sinks,value", [
+      ("q", None, False, np.nan), ("k", None, False, np.nan), ("v", None, False, np.nan),
+      ("q", 2.0, False, np.nan), ("q", 2.0, False, np.inf), ("k", 2.0, False, -np.inf),
+      ("v", None, True, np.nan)],
+      ids=["q", "k", "v", "q-softcap", "q-inf-softcap", "k-inf-softcap", "v-sinks"])
+  def test_nonfinite_values_a_row_sees_reach_it(self, where, softcap, sinks, value):
+    """NaN (or Inf) in one query, key or value entry: every row that sees it is non-finite,
+    and so are the gradients that depend on it; every other row and gradient is finite and
+    exact (no block is dropped as if it had no key). With a soft-cap (the pallas_gpu backward
+    evaluates part of its exponentials differently there; tanh would turn an infinite score
+    into a finite cap) and with sinks too."""
     self.require("ring")
     vocab, oracle_vocab = self._nonfinite_vocab(softcap, sinks)
     case = self.adapt(RingCase("seen-nan", 4, causal=True))
@@ -718,7 +720,7 @@ class ContractTests:
     t, g = q.shape[1], N // case.kv_heads
     j0 = t // 2 + 3                                    # a position on the third device
     bad = {"q": q, "k": k, "v": v}
-    bad[where] = bad[where].at[0, j0, 0, 0].set(jnp.nan)
+    bad[where] = bad[where].at[0, j0, 0, 0].set(value)
     # [T, N]: rows that see the NaN (causal: a key j is seen by rows i >= j of its group)
     rows = np.arange(t)[:, None]
     heads = np.arange(N)[None, :]
