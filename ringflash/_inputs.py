@@ -107,13 +107,17 @@ def add_sinks(out, lse, sinks):
 
 
 def _sink_weight(lse, sink):
-  """(w = exp(lse - lse'), lse') per row [B, N, T]: w = 0 and lse' = -inf for a row without
-  a key; both NaN for a row whose lse is NaN."""
+  """(w = exp(lse - lse'), 1 - w = exp(sink - lse'), lse') per row [B, N, T]: w = 0,
+  1 - w = 1 and lse' = -inf for a row without a key; all NaN for a row whose lse is NaN.
+  1 - w is evaluated as its own exponential: as 1 - w it would lose every digit when the
+  sink's share is below float32's epsilon, and with them the sink's gradient."""
   none = lse == -jnp.inf
   lse_safe = jnp.where(none, 0.0, lse)
   total = jnp.where(none, -jnp.inf, jnp.logaddexp(lse_safe, sink))
-  weight = jnp.where(none, 0.0, jnp.exp(lse_safe - jnp.where(none, 0.0, total)))
-  return weight, total
+  total_safe = jnp.where(none, 0.0, total)
+  weight = jnp.where(none, 0.0, jnp.exp(lse_safe - total_safe))
+  rest = jnp.where(none, 1.0, jnp.exp(sink - total_safe))
+  return weight, rest, total
 
 
 def _times(g, x):
@@ -129,22 +133,22 @@ def _sink_rescale(out, lse, sink):
 
 
 def _sink_rescale_fwd(out, lse, sink):
-  weight, total = _sink_weight(lse, sink)
-  return (out * weight.transpose(0, 2, 1)[..., None], total), (out, lse, weight)
+  weight, rest, total = _sink_weight(lse, sink)
+  return (out * weight.transpose(0, 2, 1)[..., None], total), (out, lse, weight, rest)
 
 
 def _sink_rescale_bwd(res, cts):
   # With w = exp(lse - lse') and lse' = logaddexp(lse, sink): dw/dlse = w (1 - w),
   # dw/dsink = -w (1 - w), dlse'/dlse = w, dlse'/dsink = 1 - w; rows without a key depend
   # on nothing.
-  out, lse, weight = res
+  out, lse, weight, rest = res
   g_out, g_total = cts
   live = lse != -jnp.inf
   d_out = _times(g_out, weight.transpose(0, 2, 1)[..., None])
   d_weight = jnp.sum(_times(g_out, out), axis=-1).transpose(0, 2, 1)       # [B, N, T]
-  slope = weight * (1.0 - weight)
+  slope = weight * rest
   d_lse = jnp.where(live, _times(d_weight, slope) + _times(g_total, weight), 0.0)
-  d_sink = jnp.where(live, _times(g_total, 1.0 - weight) - _times(d_weight, slope), 0.0)
+  d_sink = jnp.where(live, _times(g_total, rest) - _times(d_weight, slope), 0.0)
   return d_out, d_lse, jnp.sum(d_sink, axis=(0, 2), keepdims=True)
 
 

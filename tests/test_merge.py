@@ -89,6 +89,30 @@ def test_sinks_gradient_is_the_formulas_for_every_cotangent():
   np.testing.assert_allclose(np.asarray(d_sinks), np.asarray(want), rtol=2e-6, atol=2e-6)
 
 
+def test_sinks_gradient_keeps_its_digits_when_the_sink_is_small():
+  """Rows whose lse is far above the sink (the sink's share 1 - w = exp(sink - lse') below
+  float32's epsilon): the sink's gradient, sum of g_lse' (1 - w) - (g_out . out) w (1 - w),
+  against the same formula in float64, to 1e-5 relative. Computed as 1 - w in float32 it
+  loses every digit (and its sign)."""
+  keys = jax.random.split(jax.random.key(5), 4)
+  b, t, n, hv = 2, 64, 2, 8
+  out = jax.random.normal(keys[0], (b, t, n, hv), jnp.float32)
+  lse = 20.0 + 4.0 * jax.random.uniform(keys[1], (b, n, t), jnp.float32)
+  sinks = jnp.array([0.0, 3.0], jnp.float32)
+  g_out = jax.random.normal(keys[2], (b, t, n, hv), jnp.float32)
+  g_lse = jax.random.normal(keys[3], (b, n, t), jnp.float32)
+  _, vjp = jax.vjp(_inputs.add_sinks, out, lse, sinks)
+  got = np.asarray(vjp((g_out, g_lse))[2], np.float64)
+  lse64 = np.asarray(lse, np.float64)
+  sink64 = np.asarray(sinks, np.float64)[None, :, None]
+  total = np.logaddexp(lse64, sink64)
+  w, rest = np.exp(lse64 - total), np.exp(sink64 - total)
+  d_weight = np.einsum("btnh,btnh->bnt", np.asarray(g_out, np.float64),
+                       np.asarray(out, np.float64))
+  want = np.sum(np.asarray(g_lse, np.float64) * rest - d_weight * w * rest, axis=(0, 2))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+
+
 def test_sinks_keep_the_nonfinite_rule():
   """A row whose lse is NaN (it saw a NaN) stays NaN forward. Backward, a zero cotangent on
   it carries nothing back (finite gradients for a loss that ignores it); a nonzero one
