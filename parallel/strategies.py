@@ -59,7 +59,7 @@ def unsupported(strategy: str, call, axes) -> str | None:
     if len(axes.names) < 2:
       return ("strategy 'hybrid' needs axis_name to be a tuple of at least two mesh axes "
               "(the ring over the first ones, Ulysses over the last)")
-    return unsupported_heads(call.n, call.k, axes.sizes[-1])
+    return unsupported_heads(call.n, call.k, axes.sizes[-1], "hybrid")
   if strategy == "ulysses":
     return unsupported_heads(call.n, call.k, axes.size)
   return None

@@ -34,14 +34,17 @@ class UlyssesSpec(local.MeshSpec):
   """Static part of the Ulysses strategy (fields: local.MeshSpec)."""
 
 
-def unsupported_heads(n: int, k: int, size: int) -> str | None:
-  """Why heads do not divide over `size` devices (None: they do)."""
+def unsupported_heads(n: int, k: int, size: int, strategy: str = "ulysses") -> str | None:
+  """Why heads do not divide over `size` devices (None: they do); `strategy` names the
+  caller's ("hybrid": Ulysses over the last axis of axis_name)."""
+  where = ("its axis" if strategy == "ulysses" else
+           "the last axis of axis_name, where it runs Ulysses")
   if n % size:
-    return (f"strategy 'ulysses' shards the N={n} query heads over the {size} devices of its "
-            f"axis: N must be a multiple of {size}")
+    return (f"strategy {strategy!r} shards the N={n} query heads over the {size} devices of "
+            f"{where}: N must be a multiple of {size}")
   if k % size and size % k:
-    return (f"strategy 'ulysses' shards the K={k} kv heads over {size} devices: K must be a "
-            f"multiple or a divisor of {size}")
+    return (f"strategy {strategy!r} shards the K={k} kv heads over the {size} devices of "
+            f"{where}: K must be a multiple or a divisor of {size}")
   return None
 
 

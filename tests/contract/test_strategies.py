@@ -100,14 +100,23 @@ def test_nonfinite_rule(strategy, where):
 @pytest.mark.parametrize("strategy,options,n,k,mesh_axes,says", [
     ("allgather", dict(bidirectional=True), 4, 2, ("sp",), "bidirectional=True.*'allgather'"),
     ("ulysses", dict(bidirectional=True), 4, 2, ("sp",), "bidirectional=True.*'ulysses'"),
+    # 12 striped tokens on 4 devices: an odd local length, but no ring to split it for
+    ("allgather", dict(bidirectional=True, layout="striped", t=12), 4, 2, ("sp",),
+     "bidirectional=True.*'allgather'"),
     ("ulysses", {}, 6, 2, ("sp",), "N=6 query heads"),
     ("hybrid", {}, 4, 2, ("sp",), "'hybrid' needs axis_name to be a tuple"),
+    ("hybrid", {}, 3, 1, ("r", "u"), "'hybrid' shards the N=3 query heads over the 2 devices "
+     "of the last axis"),
 ])
 def test_what_a_strategy_cannot_run_is_not_implemented_naming_it(strategy, options, n, k,
                                                                   mesh_axes, says):
   """Refused before anything runs, with the strategy's reason (never another strategy)."""
-  mesh = Mesh(np.array(jax.devices()[:4]), mesh_axes)
-  q, kv = jnp.zeros((1, 16, n, 8)), jnp.zeros((1, 16, k, 8))
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape((4,) if len(mesh_axes) == 1 else (2, 2)),
+              mesh_axes)
+  options = dict(options)
+  t = options.pop("t", 16)
+  q, kv = jnp.zeros((1, t, n, 8)), jnp.zeros((1, t, k, 8))
+  axis_name = mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
   with pytest.raises(NotImplementedError, match=says):
     jax.jit(lambda q, kv: ringflash.ring_attention(
-        q, kv, kv, mesh=mesh, axis_name=mesh_axes[0], strategy=strategy, **options)).lower(q, kv)
+        q, kv, kv, mesh=mesh, axis_name=axis_name, strategy=strategy, **options)).lower(q, kv)
