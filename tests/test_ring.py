@@ -113,3 +113,27 @@ def test_sharded_entry_on_interpreted_pallas_tpu_says_what_to_set():
                               check_vma=False))(q, key, v)
   ref, _ = helpers.oracle.attention(q, key, v)
   assert helpers.max_err(out, ref) <= helpers.fp32_tol(ref)
+
+
+def test_sharded_entry_sinks_with_batch_and_heads_sharded_too():
+  """ring_attention_sharded in a caller's shard_map over (batch, sequence, heads) axes, sinks
+  split with the heads: each sink's gradient is summed over the batch and sequence devices
+  only, as the oracle's."""
+  q, key, v, _ = helpers.inputs(13, 2, 32, 32, 4, 2, 8, jnp.float32)
+  sinks = jnp.array([0.5, -0.3, 1.0, 0.1], jnp.float32)
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("dp", "sp", "tp"))
+  spec = P("dp", "sp", "tp")
+
+  def local(q, k, v, s):
+    return ringflash.ring_attention_sharded(q, k, v, axis_name="sp", sinks=s, backend="xla",
+                                            is_causal=True)
+
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (P("tp"),),
+                             out_specs=spec))
+  out, vjp = jax.vjp(fn, q, key, v, sinks)
+  ref, ref_vjp = jax.vjp(
+      lambda q, k, v, s: helpers.oracle.attention(q, k, v, causal=True, sinks=s)[0],
+      q, key, v, sinks)
+  assert helpers.max_err(out, ref) <= helpers.fp32_tol(ref)
+  for g, r in zip(vjp(jnp.cos(out)), ref_vjp(jnp.cos(ref))):
+    assert helpers.max_err(g, r) <= helpers.fp32_tol(r)
