@@ -24,6 +24,7 @@ from ringflash.parallel.ulysses import unsupported_heads
 from ringflash.parallel.ulysses import ulysses_attention_local
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
+WITHOUT_RING = ("allgather", "ulysses")     # bidirectional=True, a ring schedule, is refused
 Spec = RingSpec | GatherSpec | UlyssesSpec | HybridSpec
 
 
@@ -53,7 +54,7 @@ def backend_of(spec: Spec) -> str:
 def unsupported(strategy: str, call, axes) -> str | None:
   """Why `strategy` cannot run a call (ringflash._validate.Call) on the sequence axes
   (names and sizes, first major); None: it can."""
-  if strategy in ("allgather", "ulysses") and call.bidirectional:
+  if strategy in WITHOUT_RING and call.bidirectional:
     return f"bidirectional=True is a schedule of the ring; strategy {strategy!r} has no ring"
   if strategy == "hybrid":
     if len(axes.names) < 2:

@@ -191,7 +191,7 @@ def check_call(query, key, value, *, segment_ids=None, scale=None, backend="auto
   window = check_window(local_window_size, t * scale_t, s * scale_t)
   local_s = s if local else -(-s // ring_size)
   if (bidirectional and ring_size > 1 and local_s % 2 and not (pads and layout == "contiguous")
-      and strategy not in ("allgather", "ulysses")):    # those refuse it in prepare: no ring
+      and strategy not in strategies.WITHOUT_RING):     # refused in prepare: no ring
     raise ValueError(f"bidirectional=True splits each device's keys in two halves; the local "
                      f"key length must be even, got {local_s}")
   return Call(lead=lead, t=t, s=s, n=n, k=k, h=h, hv=hv, dtype=qd, scale=scale,
