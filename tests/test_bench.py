@@ -143,6 +143,7 @@ def test_kernels_mode_keeps_other_implementations_when_one_fails(tmp_path):
   assert "cudnn_error" in out
 
 
+@pytest.mark.slow
 def test_strategies_mode_rows_with_every_strategy_and_baseline(tmp_path):
   """On 4 CPU devices (jax.nn's XLA attention stands in for cuDNN there): every strategy, the
   plain Ulysses and all-gather baselines, efficiencies against one device, auto's choice."""

@@ -22,6 +22,7 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 
 
 @needs_libtpu
+@pytest.mark.slow       # two training-step compiles with the memory breakdown: 90 s on two cores
 def test_plan_reports_memory_fit_and_ring_permutes():
   small = planner.plan("v5e:2x4", batch=1, seq_len=65536, heads=8, kv_heads=2, head_dim=128,
                        dtype="bfloat16", causal=True, mode="train", backend="auto")

@@ -187,6 +187,7 @@ def test_fingerprint_compares_bits_also_of_two_byte_floats():
 # ------------------------------------------------------------------------ (a) kill + resume
 
 
+@pytest.mark.slow
 def test_sigkill_between_saves_then_resume_matches_straight_run_bitwise(tmp_path):
   """8 steps straight vs killed after step 6 (saves every 4) and resumed from step 4.
 
@@ -452,6 +453,7 @@ def _launch_train(tmp_path, name, ckpt, *extra):
   return run
 
 
+@pytest.mark.slow
 def test_two_processes_save_and_resume_match_straight_run(tmp_path):
   """Both processes save steps 2 and 4; a new 2-process job resumes from step 2 alone and
   computes steps 3 and 4 bit for bit as the straight job did."""
