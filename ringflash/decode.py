@@ -26,6 +26,10 @@ from ringflash.kernels import get_backend
 from ringflash.parallel import decode as decode_parallel
 
 STRATEGIES = decode_parallel.STRATEGIES
+# A device's share of the cache in a multiple of this many slots tiles on every backend (the
+# GPU kernel's key tiles are 64, a TPU's local lengths multiples of 8), and lets split-KV cut
+# it into runs.
+SLOT_MULTIPLE = 128
 
 _FORWARD_ONLY = ("decode_attention is forward only (decoding needs no gradient): it cannot be "
                  "differentiated")
@@ -262,10 +266,17 @@ def prepare(call: _Call, *, options: _Options, ring_size: int, device) -> (
     # split-KV: the shard's keys as runs of chunk_len, each a batch row of the kernel call
     chunks = decode_parallel.split_count(platform, getattr(device, "core_count", None),
                                          call.b * call.k * -(-rows_core // 128), kv_len)
-    reason = kernel.unsupported(problem(rows_core, kv_len // chunks))
-    if reason is None and call.t > 1:
-      reason = kernel.unsupported(problem(rows_band, kv_len // chunks))
+    def why(keys, kernel=kernel):
+      return kernel.unsupported(problem(rows_core, keys)) or (
+          kernel.unsupported(problem(rows_band, keys)) if call.t > 1 else None)
+
+    reason = why(kv_len // chunks)
     if reason is not None:
+      if why(SLOT_MULTIPLE) is None:      # the length of the cache's shards is what it refuses
+        reason = (f"backend {name!r} cannot tile a device's share of the cache: key_cache "
+                  f"holds {call.s_max} slots a row, {kv_len} for each device's kernel; a cache of max_len a "
+                  f"multiple of {SLOT_MULTIPLE} x the devices suits every backend "
+                  f"(the kernel: {reason})")
       reasons.append(reason)
       continue
 

@@ -86,7 +86,10 @@ class KVCache:
     """An empty cache (every slot free, every length 0), placed on the mesh.
 
     Args:
-      batch: B. max_len: slots per row, divisible by the devices of axis_name.
+      batch: B. max_len: slots per row, divisible by the devices of axis_name (a multiple
+        of 128 x the devices suits every backend's kernel: the GPU kernel tiles a device's
+        slots by 64; with other shares backend "auto" runs xla there, and a named
+        "pallas_gpu" refuses them).
       kv_heads: K. head_dim: H. value_head_dim: Hv (default H).
       mesh: the device mesh. axis_name: the mesh axis (or tuple) the sequence is sharded
         over. batch_axis: None, or the mesh axis (or tuple) the batch is sharded over.

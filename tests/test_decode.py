@@ -3,11 +3,13 @@ oracle (tests/oracle.py) on CPU meshes of 1, 2, 4 and 8 devices."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import helpers
 import oracle
 import ringflash
+from ringflash import decode
 from ringflash.kvcache import EMPTY
 
 
@@ -353,6 +356,34 @@ def test_a_bad_argument_is_a_value_error_naming_it(change, names):
 def test_a_named_backend_never_falls_back():
   with pytest.raises(NotImplementedError, match="pallas_gpu"):
     _call(backend="pallas_gpu")
+
+
+@pytest.mark.parametrize("platform,kind,cc,backend,s_max,ring,kernel_says", [
+    ("gpu", "NVIDIA H200", "9.0", "pallas_gpu", 1000, 1, "multiples of 64"),
+    ("gpu", "NVIDIA H200", "9.0", "pallas_gpu", 4 * 200, 4, "multiples of 64"),
+    ("tpu", "TPU v5", None, "pallas_tpu", 4 * 60, 4, "multiples of 8")])
+def test_a_cache_shard_the_kernel_cannot_tile_is_named_as_the_cache(
+    platform, kind, cc, backend, s_max, ring, kernel_says):
+  """A named backend refusing the length of a device's share of the cache says so in the
+  cache's terms (slots a row and a device, the max_len that suits), not as the padded query
+  rows and keys of its kernel call; no fallback."""
+  call = decode._Call(b=1, t=2, n=4, k=2, h=64, hv=64, s_max=s_max, dtype=jnp.dtype(jnp.bfloat16),
+                      scale=0.125, softcap=None, window_left=None)
+  options = decode._Options(axis_name="sp", scale=None, logits_soft_cap=None,
+                            local_window_size=None, backend=backend, block_sizes=None,
+                            return_residual=False, strategy="reduce", guarded=False)
+  device = types.SimpleNamespace(platform=platform, device_kind=kind, compute_capability=cc,
+                                 core_count=132)
+  with pytest.raises(NotImplementedError) as err:
+    decode.prepare(call, options=options, ring_size=ring, device=device)
+  message = str(err.value)
+  assert message.startswith(f"backend {backend!r} cannot tile a device's share of the cache")
+  assert f"holds {s_max} slots a row, {s_max // ring} for each device's kernel" in message
+  assert "max_len a multiple of 128 x the devices" in message and kernel_says in message
+  # The same call on a cache of such a max_len is accepted.
+  fine = decode.prepare(dataclasses.replace(call, s_max=128 * ring), options=options,
+                        ring_size=ring, device=device)
+  assert fine.backend == backend
 
 
 def test_decoding_is_forward_only():
