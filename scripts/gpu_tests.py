@@ -8,7 +8,11 @@ root, the folder ringflash/ would shadow the installed package; the tests run in
 
   python3 scripts/gpu_tests.py [--processes N] [--timeout S] [pytest selection args]
 
-(--platform=cpu runs the same on CPU devices, for the CPU-only cases.)
+(--platform=cpu runs the same on CPU devices, for the CPU-only cases; with no selection, the
+whole default suite, which is how it runs on another jax than the test environment's. Install
+with `python3 -m pip install -e .` for that: tests/test_launch.py starts `python -m
+ringflash.cli` in the repository root, where only the editable install finds
+ringflash.parallel and the other subpackages.)
 
 e.g. `python3 scripts/gpu_tests.py contract/test_pallas_gpu.py -m "slow or not slow"`
 (paths relative to tests/). It collects the selected case ids once, deals them round-robin
