@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ringflash import _validate
 
@@ -99,3 +100,14 @@ def check_divisible(query, key, mesh: Mesh, batch, heads):
     raise ValueError(f"key heads K={key.shape[2]} must divide over the mesh axes {heads} "
                      f"({size(heads)} devices) that query's heads are sharded over, so that "
                      f"each device keeps whole GQA groups")
+
+
+def place(x, mesh: Mesh, spec: P):
+  """x laid out as a shard_map's in_spec `spec` wants it. On a mesh with Explicit axes (the
+  type carries the sharding, and shard_map does not reshard: an array the caller did not lay
+  out so, or one ringflash built, such as segment ids from lengths, would be refused) that
+  is a jax.reshard; on Auto axes shard_map reshards by itself."""
+  if any(t == AxisType.Explicit for t in mesh.axis_types):
+    reshard = getattr(jax, "reshard", None) or jax.sharding.reshard   # older jax
+    return reshard(x, NamedSharding(mesh, spec))
+  return x

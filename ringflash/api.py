@@ -241,12 +241,19 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
   # "dynamic_slice requires varying manual axes to match").
   shard_map = functools.partial(jax.shard_map, mesh=mesh, out_specs=out_specs,
                                 check_vma=not prepared.kernel.interpret)
+  q, k, v = (_mesh.place(x, mesh, x_spec) for x in (q, k, v))
   if q_seg is None:
     fn = shard_map(lambda q, k, v: local(q, k, v, None, None), in_specs=(x_spec,) * 3)
     out, lse = fn(q, k, v)
   else:
+    q_seg, kv_seg = (_mesh.place(x, mesh, seg_spec) for x in (q_seg, kv_seg))
     fn = shard_map(local, in_specs=(x_spec,) * 3 + (seg_spec,) * 2)
     out, lse = fn(q, k, v, q_seg, kv_seg)
+  if t_len != call.t:
+    # Padded inside: the user's length does not divide over the ring, so the trimmed output
+    # cannot stay split along it (on Explicit axes the slice would be refused).
+    out = _mesh.place(out, mesh, P(batch, None, heads, None))
+    lse = _mesh.place(lse, mesh, P(batch, heads, None))
   return _inputs.finish(call, out, lse, sinks)
 
 

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ringflash import _inputs
@@ -294,19 +294,6 @@ def prepare(call: _Call, *, options: _Options, ring_size: int, device) -> (
   raise NotImplementedError("no backend runs this call: " + "; ".join(reasons))
 
 
-def place(x, mesh: Mesh, spec: P):
-  """x laid out as a shard_map's in_spec `spec` wants it. On a mesh of Explicit axes (the
-  type carries the sharding, and shard_map does not reshard) that is a jax.reshard; on Auto
-  axes shard_map reshards by itself."""
-  names = [a for entry in spec if entry is not None
-           for a in ((entry,) if isinstance(entry, str) else entry)]
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
-  if names and all(types[a] == AxisType.Explicit for a in names):
-    reshard = getattr(jax, "reshard", None) or jax.sharding.reshard   # older jax
-    return reshard(x, NamedSharding(mesh, spec))
-  return x
-
-
 def _decode(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, *,
             mesh: Mesh, batch, heads, options: _Options):
   """decode_attention's body: validate, resolve, the strategy under shard_map, sinks."""
@@ -335,7 +322,7 @@ def _decode(query, key_cache, value_cache, cache_lengths, cache_positions, sinks
     specs += (P(batch, options.axis_name),)
     args += (positions,)
     fn = shard_map(local, in_specs=specs)
-  args = tuple(place(x, mesh, spec) for x, spec in zip(args, specs))
+  args = tuple(_mesh.place(x, mesh, spec) for x, spec in zip(args, specs))
 
   @jax.custom_vjp
   def attend(*args):

@@ -264,7 +264,7 @@ def _prefill_program(mesh: Mesh, axis_name, batch_axis, layout: str, t: int):
     lengths = jnp.minimum(jnp.asarray(lengths).astype(jnp.int32), t)
     args = (cache.k, cache.v, k, v, lengths)
     specs = (shard.seq_spec,) * 4 + (shard.row_spec,)
-    ck, cv, positions = fn(*(decode.place(x, mesh, s) for x, s in zip(args, specs)))
+    ck, cv, positions = fn(*(_mesh.place(x, mesh, s) for x, s in zip(args, specs)))
     used = jnp.full(cache.used.shape, t, jnp.int32)
     return KVCache(ck, cv, positions, lengths, used, mesh=mesh, axis_name=axis_name,
                    batch_axis=batch_axis)
@@ -288,7 +288,7 @@ def _append_program(mesh: Mesh, axis_name, batch_axis):
     args = (cache.k, cache.v, cache.positions, cache.lengths, cache.used, k_new, v_new)
     specs = (shard.seq_spec, shard.seq_spec, shard.slot_spec, shard.row_spec, shard.row_spec,
              new_spec, new_spec)
-    ck, cv, positions = fn(*(decode.place(x, mesh, s) for x, s in zip(args, specs)))
+    ck, cv, positions = fn(*(_mesh.place(x, mesh, s) for x, s in zip(args, specs)))
     return KVCache(ck, cv, positions, cache.lengths + t, cache.used + t, mesh=mesh,
                    axis_name=axis_name, batch_axis=batch_axis)
 

@@ -74,6 +74,44 @@ def test_other_mesh_axes_keep_their_sharding(outer):
   assert helpers.max_err(out, ref) <= helpers.FP32_TOL
 
 
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+@pytest.mark.parametrize("t,spec", [(64, P("data", "sp")), (61, P("data"))],
+                         ids=["segments-lengths-sinks", "uneven-length"])
+def test_explicit_mesh_axes_with_the_arrays_ringflash_builds(t, spec, strategy):
+  """On a mesh of Explicit axes shard_map does not reshard its inputs: the segment ids the
+  user passes unsharded, the ids built from lengths, the padded rows of a length that does
+  not divide over the ring, and the output trimmed back to that length must each be laid
+  out by ringflash (were JAX sharding errors). Forward and gradients, jit, against the
+  oracle; the output keeps the batch on the data axis."""
+  devices = np.array(jax.devices()).reshape(2, 4)
+  mesh = Mesh(devices, ("data", "sp"), axis_types=(AxisType.Explicit,) * 2)
+  b, n, k, h = 2, 4, 2, 16
+  q, key, v, dout = helpers.inputs(21, b, t, t, n, k, h, jnp.float32)
+  segments = jnp.asarray(np.arange(t)[None] >= np.array([[20], [37]]), jnp.int32)
+  q_len, kv_len = jnp.array([t, t - 9], jnp.int32), jnp.array([t - 3, t - 20], jnp.int32)
+  sinks = jnp.linspace(-1.0, 1.5, n, dtype=jnp.float32)
+  extra = dict(segment_ids=segments, query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
+
+  def loss(q, k, v, sinks):
+    out = ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=True, strategy=strategy,
+                                   sinks=sinks, **extra)
+    return jnp.sum(out * dout), out
+
+  def oracle_loss(q, k, v, sinks):
+    out, _ = helpers.oracle.attention(q, k, v, causal=True, sinks=sinks, q_seg=segments,
+                                      kv_seg=segments, q_lengths=q_len, kv_lengths=kv_len)
+    return jnp.sum(out * dout), out
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+  placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, key, v)]
+  (_, out), grads = jax.jit(grad)(*placed, sinks)
+  (_, ref), refs = jax.value_and_grad(oracle_loss, argnums=(0, 1, 2, 3), has_aux=True)(
+      q, key, v, sinks)
+  assert out.shape == (b, t, n, h) and _padded(out.sharding.spec)[0] == "data"
+  for got, want in zip((out,) + grads, (ref,) + refs):
+    assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
+
+
 def test_repeated_eager_calls_reuse_one_compiled_program(monkeypatch):
   """The README calls ring_attention eagerly: the same shapes and options trace (and
   compile) once; other options get their own program; the cache of programs is bounded."""
