@@ -74,15 +74,17 @@ def test_other_mesh_axes_keep_their_sharding(outer):
   assert helpers.max_err(out, ref) <= helpers.FP32_TOL
 
 
-@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+@pytest.mark.parametrize("strategy,backend", [("ring", "xla"), ("ulysses", "xla"),
+                                              ("ring", "pallas_tpu")])
 @pytest.mark.parametrize("t,spec", [(64, P("data", "sp")), (61, P("data"))],
                          ids=["segments-lengths-sinks", "uneven-length"])
-def test_explicit_mesh_axes_with_the_arrays_ringflash_builds(t, spec, strategy):
+def test_explicit_mesh_axes_with_the_arrays_ringflash_builds(t, spec, strategy, backend):
   """On a mesh of Explicit axes shard_map does not reshard its inputs: the segment ids the
   user passes unsharded, the ids built from lengths, the padded rows of a length that does
   not divide over the ring, and the output trimmed back to that length must each be laid
   out by ringflash (were JAX sharding errors). Forward and gradients, jit, against the
-  oracle; the output keeps the batch on the data axis."""
+  oracle; the output keeps the batch on the data axis. The layout is the entry point's, not
+  a kernel's: xla for both strategies, interpreted pallas_tpu for the ring."""
   devices = np.array(jax.devices()).reshape(2, 4)
   mesh = Mesh(devices, ("data", "sp"), axis_types=(AxisType.Explicit,) * 2)
   b, n, k, h = 2, 4, 2, 16
@@ -94,7 +96,7 @@ def test_explicit_mesh_axes_with_the_arrays_ringflash_builds(t, spec, strategy):
 
   def loss(q, k, v, sinks):
     out = ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=True, strategy=strategy,
-                                   sinks=sinks, **extra)
+                                   backend=backend, sinks=sinks, **extra)
     return jnp.sum(out * dout), out
 
   def oracle_loss(q, k, v, sinks):
