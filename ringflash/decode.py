@@ -266,6 +266,7 @@ def prepare(call: _Call, *, options: _Options, ring_size: int, device) -> (
     # split-KV: the shard's keys as runs of chunk_len, each a batch row of the kernel call
     chunks = decode_parallel.split_count(platform, getattr(device, "core_count", None),
                                          call.b * call.k * -(-rows_core // 128), kv_len)
+
     def why(keys, kernel=kernel):
       return kernel.unsupported(problem(rows_core, keys)) or (
           kernel.unsupported(problem(rows_band, keys)) if call.t > 1 else None)
@@ -274,9 +275,9 @@ def prepare(call: _Call, *, options: _Options, ring_size: int, device) -> (
     if reason is not None:
       if why(SLOT_MULTIPLE) is None:      # the length of the cache's shards is what it refuses
         reason = (f"backend {name!r} cannot tile a device's share of the cache: key_cache "
-                  f"holds {call.s_max} slots a row, {kv_len} for each device's kernel; a cache of max_len a "
-                  f"multiple of {SLOT_MULTIPLE} x the devices suits every backend "
-                  f"(the kernel: {reason})")
+                  f"holds {call.s_max} slots a row, {kv_len} for each device's kernel; a "
+                  f"cache of max_len a multiple of {SLOT_MULTIPLE} x the devices suits every "
+                  f"backend (the kernel: {reason})")
       reasons.append(reason)
       continue
 
