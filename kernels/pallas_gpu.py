@@ -26,10 +26,12 @@ Which kernel takes which (H, Hv), each dim padded on its own:
     and dV [64, Hvp] of each compute warpgroup in fp32 registers, and beyond 128 + 128
     columns they no longer fit (MLA's 192 / 128 would need 160 of a thread's 240 registers
     for them alone). Every other pair, e.g. 192/128, 256/256, 160/72, goes to the Triton
-    backward with each dim padded to a power of two (triton_dim: 192 -> 256, 72 -> 128);
-    so do key lengths that are not a multiple of 128 and interpret mode. Measured on the
+    backward, which takes each dim as one or two power-of-two column pieces (triton_dims:
+    192 -> 128 + 64, 160 -> 128 + 32, 72 -> 64 + 16, padded to 80); so do key lengths
+    that are not a multiple of 128 and interpret mode. Measured on the
     H200 (T = 16k, causal, N = K = 16): the forward at 192 / 128 runs at 489 TFLOP/s, its
-    Triton backward takes 25 ms against 5.3 ms for the fused one at 128 / 128.
+    Triton backward takes 20 ms (docs/GPU_NOTES.md run 85) against 5.3 ms for the fused
+    one at 128 / 128.
 
 Soft-cap (spec.softcap): a static branch in all three kernels (each module's docstring has
 the details): the forward replaces the raw scores s by t = tanh(scale s / cap) and runs its
@@ -43,6 +45,8 @@ where its tests call it directly).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 
@@ -74,10 +78,15 @@ def mosaic_dim(d: int) -> int:
   return -(-d // MOSAIC_DIM_STEP) * MOSAIC_DIM_STEP
 
 
-def triton_dim(d: int) -> int:
-  """The head dim the Triton backward runs for d: the next power of two, at least 64
-  (Triton's blocks are powers of two; 192 -> 256)."""
-  return max(64, 1 << (d - 1).bit_length())
+def triton_dims(d: int) -> tuple[int, ...]:
+  """The column pieces the Triton backward takes a head dim d as (its blocks are powers of
+  two): one power of two, or two (the larger first, each at least 16), whichever pads d the
+  least, one piece on a tie; d is zero-padded to their sum. 192 -> (128, 64) (MLA: nothing
+  padded, where one piece of 256 would add a third to the products over H); 160 -> (128,
+  32); 72 -> (64, 16); 256 -> (256,); 224 -> (256,)."""
+  options = [(1 << i,) for i in range(4, 9)]
+  options += [(1 << i, 1 << j) for i in range(4, 9) for j in range(4, i)]
+  return min((o for o in options if sum(o) >= d), key=lambda o: (sum(o), len(o)))
 
 
 def fused_backward(head_dim: int, value_dim: int, kv_len: int, interpret: bool) -> bool:
@@ -89,12 +98,19 @@ def fused_backward(head_dim: int, value_dim: int, kv_len: int, interpret: bool) 
 
 def triton_config(hp: int, hvp: int) -> tuple[tuple[int, int], tuple[int, int]]:
   """(num_warps, num_stages) of the Triton backward's two kernels (dq; dk and dv) at padded
-  head dims hp, hvp, as measured on the H200 (docs/GPU_NOTES.md run 76, T = 16k):
-  - 256 / 128 (MLA's 192 / 128, and 160 / 72): dq 4 warps, dk and dv 8, both 3 stages:
-    1.27x causal and 1.29x not over 4 warps and 2 stages;
+  head dims hp, hvp (the sums of triton_dims), as measured on the H200 (docs/GPU_NOTES.md,
+  T = 16k, N = K = 16):
+  - 192 / 128 (MLA, pieces 128 + 64 / 128): 4 warps, 3 stages (runs 84-85: 0.99x causal
+    and 1.12x not of the former one piece of 256 at its best setting; 2 stages 0.81 / 0.84,
+    8 warps for dk and dv 0.96 / 1.06);
+  - 256 / 128 (224 / 128 ...): dq 4 warps, dk and dv 8, both 3 stages (run 76: 1.27x
+    causal and 1.29x not over 4 warps and 2 stages);
   - 256 / 256: 8 warps, 2 stages (3 stages exceed shared memory; 1 stage was slower, and
     4 warps: 39.7 ms against 32.4 causal, an earlier session);
-  - elsewhere 4 warps, 2 stages (not measured otherwise)."""
+  - elsewhere 4 warps, 2 stages (at 160 / 72, pieces 128 + 32 / 64 + 16, run 85: 1.6x the
+    former 256 / 128 at its best setting; 3 stages 1.2-1.3x)."""
+  if (hp, hvp) == (192, 128):
+    return (4, 4), (3, 3)
   if (hp, hvp) == (256, 128):
     return (4, 8), (3, 3)
   if hp + hvp > 384:
@@ -210,23 +226,24 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
 
   The fused Mosaic backward where it applies (fused_backward: a GPU, H and Hv padded to 64
   or 128, key length a multiple of 2 * BWD_BLOCK), else the Triton backward (interpreted on
-  CPU). Each pads q, k to its head dim (mosaic_dim or triton_dim of H) and v, out, dout to
-  that of Hv, in static branches, and dq, dk, dv are cut back to H, H, Hv.
+  CPU). Each pads q, k to its head dim (mosaic_dim of H, or the sum of its triton_dims
+  pieces) and v, out, dout to that of Hv, in static branches, and dq, dk, dv are cut back
+  to H, H, Hv.
   """
   h, hv = q.shape[-1], v.shape[-1]
-  fused = fused_backward(h, hv, k.shape[1], spec.interpret)
-  size = mosaic_dim if fused else triton_dim
-  hp, hvp = size(h), size(hv)
-  args = (_pad_last(q, hp), _pad_last(k, hp), _pad_last(v, hvp), _pad_last(out, hvp), lse,
-          _pad_last(dout, hvp), q_pos, k_pos, q_seg, k_seg, spec)
-  if fused:
+  if fused_backward(h, hv, k.shape[1], spec.interpret):
     from ringflash.kernels import pallas_gpu_mosaic_bwd  # pylint: disable=g-import-not-at-top
-    dq, dk, dv = pallas_gpu_mosaic_bwd.backward(*args, dlse=dlse)
+    hp, hvp = mosaic_dim(h), mosaic_dim(hv)
+    run = functools.partial(pallas_gpu_mosaic_bwd.backward, dlse=dlse)
   else:
     from ringflash.kernels import pallas_gpu_triton_bwd  # pylint: disable=g-import-not-at-top
+    pieces = triton_dims(h), triton_dims(hv)
+    hp, hvp = sum(pieces[0]), sum(pieces[1])
     warps, stages = triton_config(hp, hvp)
-    dq, dk, dv = pallas_gpu_triton_bwd.backward(*args, dlse=dlse, block=BWD_BLOCK,
-                                                num_warps=warps, num_stages=stages)
+    run = functools.partial(pallas_gpu_triton_bwd.backward, dlse=dlse, block=BWD_BLOCK,
+                            num_warps=warps, num_stages=stages, pieces=pieces)
+  dq, dk, dv = run(_pad_last(q, hp), _pad_last(k, hp), _pad_last(v, hvp), _pad_last(out, hvp),
+                   lse, _pad_last(dout, hvp), q_pos, k_pos, q_seg, k_seg, spec)
   if hp != h:
     dq, dk = dq[..., :h], dk[..., :h]
   if hvp != hv:

@@ -14,9 +14,13 @@ repeating K/V and without per-query-head dk/dv partials. Both use the tile range
 common.tile_flags (base.block_may_have_work on tile ranges) and the exact in-tile mask.
 
 Head dims: q, k are [.., H] and v, dout [.., Hv]; dv += p^T dout and dp = dout v^T run over
-Hv, everything else over H. On a GPU, Triton's blocks need powers of two: the backend
-(kernels/pallas_gpu.py, triton_dim) zero-pads H and Hv to 64, 128 or 256 (192 -> 256) and
-cuts dq, dk, dv back.
+Hv, everything else over H. On a GPU, Triton's blocks need powers of two, so each head dim
+is taken as one or two column pieces of power-of-two widths (`pieces`; the backend,
+kernels/pallas_gpu.py, triton_dims, chooses them and zero-pads to their sum). MLA's H = 192
+is the pieces (128, 64): q of a tile is two blocks of the same array, columns [0, 128) and
+[128, 192) (block index 2 of width 64), s = q_a k_a^T + q_b k_b^T, and dq and dk come out as
+one array per piece, joined after the kernels. Padding 192 to 256 instead would add a third
+to the work of the three products over H (q k^T, ds k, ds^T q).
 
 Soft-cap (a static branch): s = scale q.k becomes cap t with t = tanh(s / cap), before the
 mask, as in the forward; p = exp(cap t - lse), and ds = p (dp - D) (1 - t^2), the derivative
@@ -54,10 +58,19 @@ def _dot(a, b):
   return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
+def _dot_pieces(a, b):
+  """sum_i a[i] b[i]^T over the column pieces of a head dim: a[i] [m, w_i], b[i] [n, w_i]."""
+  total = _dot(a[0], b[0].T)
+  for x, y in zip(a[1:], b[1:]):
+    total = total + _dot(x, y.T)
+  return total
+
+
 def _scores(q, k, scale, softcap):
-  """(s, dcap): the scores scale q.k^T, soft-capped (cap t, t = tanh(s / cap)) where there
-  is a cap, and the cap's derivative 1 - t^2 (None without a cap)."""
-  s = _dot(q, k.T) * scale
+  """(s, dcap): the scores scale q.k^T (q, k: lists of column pieces), soft-capped (cap t,
+  t = tanh(s / cap)) where there is a cap, and the cap's derivative 1 - t^2 (None without a
+  cap)."""
+  s = _dot_pieces(q, k) * scale
   if softcap is None:
     return s, None
   t = jnp.tanh(s * (1.0 / softcap))
@@ -65,15 +78,15 @@ def _scores(q, k, scale, softcap):
 
 
 def _tile(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, *, scale, causal, window, softcap):
-  """(p, ds) of one (query tile, key tile): q [bq, H], k [bk, H], v [bk, Hv], do [bq, Hv],
-  lse and delta [bq], positions and segment ids (or None) of the rows and keys. Masked pairs
-  are exact zeros in both, also where D is NaN."""
+  """(p, ds) of one (query tile, key tile): q [bq, H], k [bk, H], v [bk, Hv], do [bq, Hv]
+  (each a list of column pieces), lse and delta [bq], positions and segment ids (or None) of
+  the rows and keys. Masked pairs are exact zeros in both, also where D is NaN."""
   s, dcap = _scores(q, k, scale, softcap)           # [bq, bk]
   p = jnp.exp(s - lse[:, None])
   valid = base.pair_mask(qpos[:, None], kpos[None, :],
                          None if qseg is None else qseg[:, None],
                          None if kseg is None else kseg[None, :], causal=causal, window=window)
-  ds = p * (_dot(do, v.T) - delta[:, None])
+  ds = p * (_dot_pieces(do, v) - delta[:, None])
   if dcap is not None:
     ds = ds * dcap
   if valid is not None:
@@ -82,11 +95,27 @@ def _tile(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, *, scale, causal, win
   return p, ds
 
 
-def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-               qseg_ref, kseg_ref, rng_ref, dq_ref, *, scale, causal, window, softcap, bk):
+def _unpack(refs, nh, nv, has_seg):
+  """The kernels' refs by name: q, do, k, v (lists of column pieces: nh for q and k, nv for
+  v and do), lse, delta, q_pos, k_pos, q_seg, k_seg (None without segments), the tile range,
+  and the outputs (a list of nh pieces, then for the dk, dv kernel nv more)."""
+  pieces, rest = refs[:2 * (nh + nv)], refs[2 * (nh + nv):]
+  q, do = pieces[:nh], pieces[nh:nh + nv]
+  k, v = pieces[nh + nv:2 * nh + nv], pieces[2 * nh + nv:]
+  lse, delta, qpos, kpos = rest[:4]
+  if has_seg:
+    qseg, kseg, rest = rest[4], rest[5], rest[6:]
+  else:
+    qseg, kseg, rest = None, None, rest[4:]
+  return q, do, k, v, lse, delta, qpos, kpos, qseg, kseg, rest[0], rest[1:]
+
+
+def _dq_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, bk):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
-  q = q_ref[...]                                    # [bq, H]
-  do = do_ref[...]
+  (q_refs, do_refs, k_refs, v_refs, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref,
+   kseg_ref, rng_ref, dq_refs) = _unpack(refs, nh, nv, has_seg)
+  q = [r[...] for r in q_refs]                      # [bq, w] each
+  do = [r[...] for r in do_refs]
   lse = lse_ref[...]                                # [bq]
   delta = delta_ref[...]
   qpos = qpos_ref[...]
@@ -94,65 +123,80 @@ def _dq_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_r
 
   def body(j, dq):
     ks = pl.ds(j * bk, bk)
-    kt = k_ref[ks, :]                               # [bk, H]
+    kt = [r[ks, :] for r in k_refs]                 # [bk, w] each
     kseg = None if kseg_ref is None else kseg_ref[ks]
-    _, ds = _tile(q, kt, v_ref[ks, :], do, lse, delta, qpos, kpos_ref[ks], qseg, kseg,
-                  scale=scale, causal=causal, window=window, softcap=softcap)
-    return dq + _dot(ds.astype(kt.dtype), kt)
+    _, ds = _tile(q, kt, [r[ks, :] for r in v_refs], do, lse, delta, qpos, kpos_ref[ks],
+                  qseg, kseg, scale=scale, causal=causal, window=window, softcap=softcap)
+    ds = ds.astype(kt[0].dtype)
+    return tuple(acc + _dot(ds, x) for acc, x in zip(dq, kt))
 
   lo = rng_ref[0]
   dq = lax.fori_loop(0, rng_ref[1] - lo, lambda r, c: body(lo + r, c),
-                     jnp.zeros(dq_ref.shape, jnp.float32))
-  dq_ref[...] = dq * scale
+                     tuple(jnp.zeros(r.shape, jnp.float32) for r in dq_refs))
+  for r, acc in zip(dq_refs, dq):
+    r[...] = acc * scale
 
 
-def _dkv_kernel(q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                qseg_ref, kseg_ref, rng_ref, dk_ref, dv_ref, *, scale, causal, window, softcap,
-                bq, groups):
+def _dkv_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, bq, groups):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
-  kt = k_ref[...]                                   # [bk, H]
-  vt = v_ref[...]
+  (q_refs, do_refs, k_refs, v_refs, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref,
+   kseg_ref, rng_ref, out_refs) = _unpack(refs, nh, nv, has_seg)
+  dk_refs, dv_refs = out_refs[:nh], out_refs[nh:]
+  kt = [r[...] for r in k_refs]                     # [bk, w] each
+  vt = [r[...] for r in v_refs]
   kpos = kpos_ref[...]
   kseg = None if kseg_ref is None else kseg_ref[...]
-  dk = jnp.zeros(dk_ref.shape, jnp.float32)
-  dv = jnp.zeros(dv_ref.shape, jnp.float32)
+  dk = tuple(jnp.zeros(r.shape, jnp.float32) for r in dk_refs)
+  dv = tuple(jnp.zeros(r.shape, jnp.float32) for r in dv_refs)
   for g in range(groups):                           # query heads of this kv head
 
     def body(i, carry, g=g):
       dk, dv = carry
       qs = pl.ds(i * bq, bq)
-      qt = q_ref[qs, g, :]                          # [bq, H]
-      dot_ = do_ref[qs, g, :]
+      qt = [r[qs, g, :] for r in q_refs]            # [bq, w] each
+      dot_ = [r[qs, g, :] for r in do_refs]
       lse = lse_ref[g, qs]                          # [bq]
       delta = delta_ref[g, qs]
       qseg = None if qseg_ref is None else qseg_ref[qs]
       p, ds = _tile(qt, kt, vt, dot_, lse, delta, qpos_ref[qs], kpos, qseg, kseg, scale=scale,
                     causal=causal, window=window, softcap=softcap)
-      dv = dv + _dot(p.astype(dot_.dtype).T, dot_)
-      dk = dk + _dot(ds.astype(qt.dtype).T, qt)
+      pt = p.astype(dot_[0].dtype).T
+      dst = ds.astype(qt[0].dtype).T
+      dv = tuple(acc + _dot(pt, x) for acc, x in zip(dv, dot_))
+      dk = tuple(acc + _dot(dst, x) for acc, x in zip(dk, qt))
       return dk, dv
 
     lo = rng_ref[0]
     dk, dv = lax.fori_loop(0, rng_ref[1] - lo, lambda r, c, body=body: body(lo + r, c),
                            (dk, dv))
-  dk_ref[...] = dk * scale
-  dv_ref[...] = dv
+  for r, acc in zip(dk_refs, dk):
+    r[...] = acc * scale
+  for r, acc in zip(dv_refs, dv):
+    r[...] = acc
 
 
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
              dlse=None, block: int = 64, num_warps: tuple[int, int] = (4, 4),
-             num_stages: tuple[int, int] = (2, 2)):
+             num_stages: tuple[int, int] = (2, 2),
+             pieces: tuple[tuple[int, ...], tuple[int, ...]] | None = None):
   """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32.
 
-  q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], out and dout [B, T, N, Hv]; on a GPU H
-  and Hv powers of two. block: query and key rows per tile; num_warps and num_stages: per
-  Triton program of the dq kernel and of the dk, dv kernel (kernels/pallas_gpu.py,
-  triton_config, chooses them by head dims).
+  q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], out and dout [B, T, N, Hv]. block: query
+  and key rows per tile; num_warps and num_stages: per Triton program of the dq kernel and of
+  the dk, dv kernel; pieces: the column pieces of H and of Hv (module docstring), each
+  summing to its head dim, each piece a multiple of the one after it (so that it starts at a
+  whole block of its own width); on a GPU powers of two. None: one piece each
+  (kernels/pallas_gpu.py, triton_config and triton_dims, choose them by head dims).
   """
   b, t = q.shape[0], q.shape[1]
   s = k.shape[1]
   bq = bk = block
   nq, nk = t // bq, s // bk
+  h_pieces, hv_pieces = pieces or ((q.shape[-1],), (v.shape[-1],))
+  for name, dim, ws in (("H", q.shape[-1], h_pieces), ("Hv", v.shape[-1], hv_pieces)):
+    if sum(ws) != dim or any(a % b_ for a, b_ in zip(ws, ws[1:])):
+      raise ValueError(f"pieces of {name}={dim}: {ws} must sum to it, each a multiple of "
+                       "the next")
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
   window = spec.window
 
@@ -169,47 +213,66 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   # without mesh-axis typing and restore it on the outputs (match_vma below).
   with base.no_vma_check():
     dq, dk, dv = _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng,
-                        k_rng, spec, window, bq, bk, num_warps, num_stages)
+                        k_rng, spec, window, bq, bk, num_warps, num_stages, h_pieces,
+                        hv_pieces)
   return tuple(base.match_vma(x, *refs) for x in (dq, dk, dv))
 
 
+def _piece_specs(shape, widths, index_map):
+  """One BlockSpec per column piece of an array's last axis: block `shape` + (width,), and
+  the block index of the piece's first column (a multiple of its width, pieces being
+  multiples of the ones after them): (128, 64) of 192 -> blocks 0 and 2."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  specs, start = [], 0
+  for w in widths:
+    specs.append(pl.BlockSpec(shape + (w,),
+                              lambda *ix, col=start // w: (*index_map(*ix), col)))
+    start += w
+  return specs
+
+
+def _join(parts):
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+
 def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_rng, spec,
-           window, bq, bk, num_warps, num_stages):
+           window, bq, bk, num_warps, num_stages, h_pieces, hv_pieces):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
-  b, t, n, h = q.shape
+  b, t, n, _ = q.shape
   s, kh = k.shape[1], k.shape[2]
-  hv = v.shape[-1]
   groups = n // kh
   nq, nk = t // bq, s // bk
+  nh, nv = len(h_pieces), len(hv_pieces)
   has_seg = q_seg is not None
   seg_args = (q_seg.astype(jnp.int32), k_seg.astype(jnp.int32)) if has_seg else ()
   params_dq, params_dkv = (
       dict(interpret=bool(spec.interpret),
            compiler_params=pltriton.CompilerParams(num_warps=w, num_stages=st))
       for w, st in zip(num_warps, num_stages))
-
-  def with_seg(kernel):
-    """Insert None for the segment refs when there are none (8 refs precede them)."""
-    if has_seg:
-      return kernel
-
-    def wrapped(*r):
-      return kernel(*r[:8], None, None, *r[8:])
-    return wrapped
+  kernel_args = dict(nh=nh, nv=nv, has_seg=has_seg, scale=spec.scale, causal=spec.causal,
+                     window=window, softcap=spec.softcap)
+  pieced = (q,) * nh + (dout,) * nv + (k,) * nh + (v,) * nv
 
   # dq: grid (batch, query head, query tile)
   seg_specs_q = [pl.BlockSpec((None, bq), lambda bi, ni, i: (bi, i)),
                  pl.BlockSpec((None, s), lambda bi, ni, i: (bi, 0))] if has_seg else []
+
+  def row_block(bi, ni, i):                         # q, dout: this tile's rows of head ni
+    return bi, i, ni
+
+  def kv_all(bi, ni, i):                            # k, v: every key of ni's kv head
+    del i
+    return bi, 0, ni // groups
+
   dq = pl.pallas_call(
-      with_seg(functools.partial(_dq_kernel, scale=spec.scale, causal=spec.causal,
-                                 window=window, softcap=spec.softcap, bk=bk)),
+      functools.partial(_dq_kernel, bk=bk, **kernel_args),
       grid=(b, n, nq),
       in_specs=[
-          pl.BlockSpec((None, bq, None, h), lambda bi, ni, i: (bi, i, ni, 0)),       # q
-          pl.BlockSpec((None, bq, None, hv), lambda bi, ni, i: (bi, i, ni, 0)),      # dout
-          pl.BlockSpec((None, s, None, h), lambda bi, ni, i: (bi, 0, ni // groups, 0)),
-          pl.BlockSpec((None, s, None, hv), lambda bi, ni, i: (bi, 0, ni // groups, 0)),
+          *_piece_specs((None, bq, None), h_pieces, row_block),                     # q
+          *_piece_specs((None, bq, None), hv_pieces, row_block),                    # dout
+          *_piece_specs((None, s, None), h_pieces, kv_all),                         # k
+          *_piece_specs((None, s, None), hv_pieces, kv_all),                        # v
           pl.BlockSpec((None, None, bq), lambda bi, ni, i: (bi, ni, i)),             # lse
           pl.BlockSpec((None, None, bq), lambda bi, ni, i: (bi, ni, i)),             # delta
           pl.BlockSpec((bq,), lambda bi, ni, i: (i,)),                               # q_pos
@@ -217,25 +280,31 @@ def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_
           *seg_specs_q,
           pl.BlockSpec((None, None, 2), lambda bi, ni, i: (bi, i, 0)),               # range
       ],
-      out_specs=pl.BlockSpec((None, bq, None, h), lambda bi, ni, i: (bi, i, ni, 0)),
-      out_shape=jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),
+      out_specs=[pl.BlockSpec((None, bq, None, w), lambda bi, ni, i: (bi, i, ni, 0))
+                 for w in h_pieces],                               # one array a piece
+      out_shape=[jax.ShapeDtypeStruct((b, t, n, w), jnp.float32) for w in h_pieces],
       **params_dq,
-  )(q, dout, k, v, lse_safe, delta, q_pos, k_pos, *seg_args, q_rng)
+  )(*pieced, lse_safe, delta, q_pos, k_pos, *seg_args, q_rng)
 
   # dk, dv: grid (batch, kv head, key tile); the G query heads of the group in one block
   seg_specs_k = [pl.BlockSpec((None, t), lambda bi, hi, j: (bi, 0)),
                  pl.BlockSpec((None, bk), lambda bi, hi, j: (bi, j))] if has_seg else []
-  k_block = pl.BlockSpec((None, bk, None, h), lambda bi, hi, j: (bi, j, hi, 0))
-  v_block = pl.BlockSpec((None, bk, None, hv), lambda bi, hi, j: (bi, j, hi, 0))
-  dk, dv = pl.pallas_call(
-      with_seg(functools.partial(_dkv_kernel, scale=spec.scale, causal=spec.causal,
-                                 window=window, softcap=spec.softcap, bq=bq, groups=groups)),
+
+  def q_all(bi, hi, j):                             # q, dout: every row of the G heads
+    del j
+    return bi, 0, hi
+
+  def key_block(bi, hi, j):                         # k, v, dk, dv: this key tile
+    return bi, j, hi
+
+  dkv = pl.pallas_call(
+      functools.partial(_dkv_kernel, bq=bq, groups=groups, **kernel_args),
       grid=(b, kh, nk),
       in_specs=[
-          pl.BlockSpec((None, t, groups, h), lambda bi, hi, j: (bi, 0, hi, 0)),      # q
-          pl.BlockSpec((None, t, groups, hv), lambda bi, hi, j: (bi, 0, hi, 0)),     # dout
-          k_block,                                                                   # k
-          v_block,                                                                   # v
+          *_piece_specs((None, t, groups), h_pieces, q_all),                        # q
+          *_piece_specs((None, t, groups), hv_pieces, q_all),                       # dout
+          *_piece_specs((None, bk, None), h_pieces, key_block),                     # k
+          *_piece_specs((None, bk, None), hv_pieces, key_block),                    # v
           pl.BlockSpec((None, groups, t), lambda bi, hi, j: (bi, hi, 0)),            # lse
           pl.BlockSpec((None, groups, t), lambda bi, hi, j: (bi, hi, 0)),            # delta
           pl.BlockSpec((t,), lambda bi, hi, j: (0,)),                                # q_pos
@@ -243,9 +312,10 @@ def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_
           *seg_specs_k,
           pl.BlockSpec((None, None, 2), lambda bi, hi, j: (bi, j, 0)),               # range
       ],
-      out_specs=[k_block, v_block],
-      out_shape=[jax.ShapeDtypeStruct((b, s, kh, h), jnp.float32),
-                 jax.ShapeDtypeStruct((b, s, kh, hv), jnp.float32)],
+      out_specs=[pl.BlockSpec((None, bk, None, w), lambda bi, hi, j: (bi, j, hi, 0))
+                 for w in h_pieces + hv_pieces],                   # one array a piece
+      out_shape=[jax.ShapeDtypeStruct((b, s, kh, w), jnp.float32)
+                 for w in h_pieces + hv_pieces],
       **params_dkv,
-  )(q, dout, k, v, lse_safe, delta, q_pos, k_pos, *seg_args, k_rng)
-  return dq, dk, dv
+  )(*pieced, lse_safe, delta, q_pos, k_pos, *seg_args, k_rng)
+  return _join(dq), _join(dkv[:nh]), _join(dkv[nh:])

@@ -31,7 +31,7 @@ from ringflash import reference
 CASES = [(2048, 4, 4, False, 128, 128, None), (2048, 4, 4, True, 128, 128, None),
          (4096, 8, 2, True, 128, 128, None), (1024, 4, 1, False, 128, 128, None),
          (2048, 4, 2, True, 128, 128, 30.0),          # soft-cap: fused Mosaic backward
-         (2048, 4, 1, True, 192, 128, None)]          # MLA: Triton backward at 256 / 128
+         (2048, 4, 1, True, 192, 128, None)]          # MLA: Triton backward, 128 + 64 / 128
 LIMIT = 3.0
 
 

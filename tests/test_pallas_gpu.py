@@ -133,15 +133,17 @@ INTERPRET_CASES = [
     (True, False, 4, 2, None, 64, 64, None, False),
     (False, True, 2, 1, (20, 5), 64, 64, None, False),
     (True, True, 4, 2, None, 64, 128, 2.0, False),       # soft-cap, Hv > H, empty rows
-    (False, False, 2, 1, (30, 10), 80, 48, 3.0, True),   # padded to 128 / 64, trimmed
+    (False, False, 2, 1, (30, 10), 80, 48, 3.0, True),   # pieces 64 + 16 / 32 + 16
+    (True, True, 4, 2, None, 192, 128, 5.0, True),       # MLA: pieces 128 + 64 / 128
+    (False, False, 2, 2, None, 72, 160, None, True),     # 64 + 16 (padded) / 128 + 32
 ]
 
 
 @pytest.mark.parametrize("causal,segs,n,kh,window,h,hv,softcap,backend", INTERPRET_CASES)
 def test_backward_kernels_interpret(causal, segs, n, kh, window, h, hv, softcap, backend):
   """The Triton backward kernels in interpret mode, from the oracle's out and lse; with
-  `backend`, through pallas_gpu.backward, which pads the head dims for them and cuts the
-  gradients back."""
+  `backend`, through pallas_gpu.backward, which takes the head dims as column pieces
+  (triton_dims), pads them to the pieces' sum and cuts the gradients back."""
   b, t = 1, 128
   q, k, v, do = _inputs(1, b, t, t, n, kh, h, hv)
   q_seg, kv_seg = _segments(b, t, t, with_empty=True) if segs else (None, None)
@@ -294,10 +296,10 @@ def _abstract_h200():
 
 TRITON_LOWER_CASES = [
     # which, causal, segs, window, n, kh, h, hv, t, softcap
-    ("backward", True, False, None, 4, 1, 192, 128, 256, None),      # MLA: padded to 256
+    ("backward", True, False, None, 4, 1, 192, 128, 256, None),      # MLA: 128 + 64 / 128
     ("backward", False, True, None, 4, 2, 192, 128, 256, 30.0),
     ("backward", True, False, (40, 0), 2, 2, 256, 256, 256, 5.0),
-    ("backward", True, False, None, 2, 1, 160, 72, 256, None),        # 256 / 128, padded
+    ("backward", True, False, None, 2, 1, 160, 72, 256, None),        # 128 + 32 / 64 + 16
 ]
 
 
@@ -305,7 +307,7 @@ TRITON_LOWER_CASES = [
 def test_triton_backward_lowers_for_cuda(which, causal, segs, window, n, kh, h, hv, t,
                                          softcap):
   """The backward of head dims the fused kernel does not take: Pallas -> Triton for CUDA
-  (power-of-two blocks after padding), alone and inside shard_map."""
+  (power-of-two column pieces), alone and inside shard_map."""
   assert not pallas_gpu.fused_backward(h, hv, t, interpret=False)
   mesh = _abstract_h200()
   if mesh is None:
@@ -408,23 +410,36 @@ def test_unsupported_names_what_it_refuses(h, hv, softcap, dtype, why):
     (128, 64, 128, True, (128, 64), None),
     (64, 128, 128, True, (64, 128), None),
     (80, 96, 128, True, (128, 128), None),          # both padded to 128
-    # MLA: forward native, Triton backward at 256 / 128, its warps and stages measured there
-    (192, 128, 128, False, (256, 128), ((4, 8), (3, 3))),
-    (256, 256, 64, False, (256, 256), ((8, 8), (2, 2))),
-    (160, 72, 128, False, (256, 128), ((4, 8), (3, 3))),    # forward at 192 / 128, as MLA
+    # MLA: forward native, Triton backward at 128 + 64 / 128, its warps and stages measured
+    (192, 128, 128, False, ((128, 64), (128,)), ((4, 4), (3, 3))),
+    (256, 256, 64, False, ((256,), (256,)), ((8, 8), (2, 2))),
+    (224, 128, 64, False, ((256,), (128,)), ((4, 8), (3, 3))),
+    (160, 72, 128, False, ((128, 32), (64, 16)), None),     # forward at 192 / 128
 ])
 def test_which_kernel_takes_which_head_dims(h, hv, block_k, fused, dims, triton):
-  """The forward's default key tile, which backward runs at which padded head dims, and the
-  Triton backward's warps and stages there."""
+  """The forward's default key tile, which backward runs at which head dims (padded for the
+  fused one, as column pieces for the Triton one), and the Triton backward's warps and
+  stages there."""
   tiles = pallas_gpu.resolve_tiles(None, _problem(1024, 1024, h, 2, 2, hv=hv))
   assert tiles.block_k == block_k
   assert pallas_gpu.fused_backward(h, hv, 1024, interpret=False) == fused
-  size = pallas_gpu.mosaic_dim if fused else pallas_gpu.triton_dim
+  size = pallas_gpu.mosaic_dim if fused else pallas_gpu.triton_dims
   assert (size(h), size(hv)) == dims
   assert not pallas_gpu.fused_backward(h, hv, 1024 + 64, interpret=False)
   assert not pallas_gpu.fused_backward(h, hv, 1024, interpret=True)
-  config = pallas_gpu.triton_config(pallas_gpu.triton_dim(h), pallas_gpu.triton_dim(hv))
+  config = pallas_gpu.triton_config(sum(pallas_gpu.triton_dims(h)),
+                                    sum(pallas_gpu.triton_dims(hv)))
   assert config == (((4, 4), (2, 2)) if triton is None else triton)
+
+
+@pytest.mark.parametrize("d,pieces", [
+    (8, (16,)), (16, (16,)), (40, (32, 16)), (64, (64,)), (72, (64, 16)), (96, (64, 32)),
+    (112, (128,)), (128, (128,)), (136, (128, 16)), (192, (128, 64)), (200, (256,)),
+    (256, (256,)),
+])
+def test_triton_head_dim_pieces(d, pieces):
+  """Each head dim as at most two power-of-two pieces, larger first, padding the least."""
+  assert pallas_gpu.triton_dims(d) == pieces
 
 
 # ----------------------------------------------------------------------------- H200
