@@ -601,23 +601,30 @@ def test_auto_picks_pallas_gpu():
 
 
 BWD_VOCAB_CASES = [
-    # causal, segs, n, kh, h, hv, softcap
-    (True, True, 4, 2, 128, 128, 30.0),        # fused, soft-cap, rows with no valid key
-    (True, False, 4, 2, 64, 128, 2.0),         # fused, Hv > H, soft-cap
-    (False, False, 4, 1, 192, 128, 4.0),       # Triton on the GPU at 256 / 128, soft-cap
+    # causal, segs, n, kh, h, hv, softcap, t
+    (True, True, 4, 2, 128, 128, 30.0, 512),   # fused, soft-cap, rows with no valid key
+    (True, False, 4, 2, 64, 128, 2.0, 512),    # fused, Hv > H, soft-cap
+    (False, False, 4, 1, 192, 128, 4.0, 512),  # Triton on the GPU at 128 + 64 / 128, soft-cap
+    (True, True, 4, 2, 160, 72, None, 512),    # Triton at 128 + 32 / 64 + 16 (72 padded)
+    (True, False, 2, 1, 80, 48, 3.0, 576),     # Triton (keys not a multiple of 128): 64 + 16
 ]
 
 
 @needs_hopper
-@pytest.mark.parametrize("causal,segs,n,kh,h,hv,softcap", BWD_VOCAB_CASES)
-def test_backward_vocabulary_matches_oracle(causal, segs, n, kh, h, hv, softcap):
-  """The backend's backward (the fused Mosaic kernel or the Triton one, with padding) from
-  the oracle's out and lse, with soft-cap and Hv != H (bf16 criterion)."""
-  b, t = (2 if segs else 1), 512
+@pytest.mark.parametrize("causal,segs,n,kh,h,hv,softcap,t", BWD_VOCAB_CASES)
+def test_backward_vocabulary_matches_oracle(causal, segs, n, kh, h, hv, softcap, t):
+  """The backend's backward (the fused Mosaic kernel or the Triton one, with padding or
+  column pieces) from the oracle's out and lse, with soft-cap and Hv != H (bf16
+  criterion)."""
+  b = 2 if segs else 1
   q, k, v, do = _inputs(3, b, t, t, n, kh, h, hv)
   q_seg, kv_seg = _segments(b, t, t, with_empty=True) if segs else (None, None)
   pos = jnp.arange(t, dtype=jnp.int32)
-  tiles = pallas_gpu.resolve_tiles(None, _problem(t, t, h, kh, n // kh, hv=hv, softcap=softcap))
+  if t % 128:       # the backward's tiles are BWD_BLOCK; the forward's would refuse t
+    tiles = ringflash.GpuBlockSizes(64, 64, 2)
+  else:
+    tiles = pallas_gpu.resolve_tiles(None, _problem(t, t, h, kh, n // kh, hv=hv,
+                                                    softcap=softcap))
   spec = base.KernelSpec(scale=h ** -0.5, causal=causal, tiles=tiles, softcap=softcap)
 
   def dense(upcast, q, k, v):
