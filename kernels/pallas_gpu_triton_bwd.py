@@ -11,7 +11,9 @@ Kernel 1 (grid B x N x T/bq) keeps a dq tile in registers and walks the key tile
 have work; kernel 2 (grid B x K x S/bk) keeps dk, dv of one key tile and walks, for each of
 the G = N / K query heads of its group, the query tiles that may have work: GQA without
 repeating K/V and without per-query-head dk/dv partials. Both use the tile ranges of
-common.tile_flags (base.block_may_have_work on tile ranges) and the exact in-tile mask.
+common.tile_flags (base.block_may_have_work on tile ranges) and the exact in-tile mask,
+which they skip on a run of tiles whose every pair is valid (below a causal diagonal: all
+but the diagonal's tiles).
 
 Head dims: q, k are [.., H] and v, dout [.., Hv]; dv += p^T dout and dp = dout v^T run over
 Hv, everything else over H. On a GPU, Triton's blocks need powers of two, so each head dim
@@ -44,14 +46,33 @@ from ringflash.kernels import base
 from ringflash.kernels import pallas_gpu_common as common
 
 
-def _ranges(work):
-  """[first, last + 1) of the True entries along the last axis; (0, 0) where none."""
+def _ranges(work, full):
+  """Per row of tiles, int32 [..., 4] = (lo, flo, fhi, hi): [lo, hi) from the first tile
+  with work to the last ((0, 0) where none), and inside it [flo, fhi), a run of tiles whose
+  every pair is valid (from the first such tile to the next that is not; flo = fhi = lo
+  where there is none), which the kernels compute without a mask. Causal, 4 tiles, row 2:
+  work = (1, 1, 1, 0), full = (1, 1, 0, 0) -> (0, 0, 2, 3)."""
   n = work.shape[-1]
   ar = jnp.arange(n, dtype=jnp.int32)
   lo = jnp.where(work, ar, n).min(axis=-1)
   hi = jnp.where(work, ar + 1, 0).max(axis=-1)
   lo = jnp.where(hi > 0, lo, 0)
-  return jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
+  flo = jnp.where(full, ar, n).min(axis=-1)
+  fhi = jnp.where((ar >= flo[..., None]) & ~full, ar, n).min(axis=-1)
+  has_full = full.any(axis=-1)
+  flo, fhi = jnp.where(has_full, flo, lo), jnp.where(has_full, fhi, lo)
+  return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
+
+
+def _loops(rng_ref, body, carry):
+  """body(tile, carry, masked) over [lo, flo) and [fhi, hi) with the mask and over
+  [flo, fhi) without (rng_ref: _ranges' four bounds)."""
+  lo, flo, fhi, hi = rng_ref[0], rng_ref[1], rng_ref[2], rng_ref[3]
+  for start, stop, masked in ((lo, flo, True), (flo, fhi, False), (fhi, hi, True)):
+    carry = lax.fori_loop(0, stop - start,
+                          lambda r, c, start=start, masked=masked: body(start + r, c, masked),
+                          carry)
+  return carry
 
 
 def _dot(a, b):
@@ -77,15 +98,20 @@ def _scores(q, k, scale, softcap):
   return softcap * t, 1.0 - t * t
 
 
-def _tile(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, *, scale, causal, window, softcap):
+def _tile(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, *, scale, causal, window, softcap,
+          masked=True):
   """(p, ds) of one (query tile, key tile): q [bq, H], k [bk, H], v [bk, Hv], do [bq, Hv]
   (each a list of column pieces), lse and delta [bq], positions and segment ids (or None) of
-  the rows and keys. Masked pairs are exact zeros in both, also where D is NaN."""
+  the rows and keys. Masked pairs are exact zeros in both, also where D is NaN; `masked`
+  False: a tile whose every pair is valid, no mask evaluated."""
   s, dcap = _scores(q, k, scale, softcap)           # [bq, bk]
   p = jnp.exp(s - lse[:, None])
-  valid = base.pair_mask(qpos[:, None], kpos[None, :],
-                         None if qseg is None else qseg[:, None],
-                         None if kseg is None else kseg[None, :], causal=causal, window=window)
+  valid = None
+  if masked:
+    valid = base.pair_mask(qpos[:, None], kpos[None, :],
+                           None if qseg is None else qseg[:, None],
+                           None if kseg is None else kseg[None, :], causal=causal,
+                           window=window)
   ds = p * (_dot_pieces(do, v) - delta[:, None])
   if dcap is not None:
     ds = ds * dcap
@@ -121,18 +147,17 @@ def _dq_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, bk):
   qpos = qpos_ref[...]
   qseg = None if qseg_ref is None else qseg_ref[...]
 
-  def body(j, dq):
+  def body(j, dq, masked):
     ks = pl.ds(j * bk, bk)
     kt = [r[ks, :] for r in k_refs]                 # [bk, w] each
     kseg = None if kseg_ref is None else kseg_ref[ks]
     _, ds = _tile(q, kt, [r[ks, :] for r in v_refs], do, lse, delta, qpos, kpos_ref[ks],
-                  qseg, kseg, scale=scale, causal=causal, window=window, softcap=softcap)
+                  qseg, kseg, scale=scale, causal=causal, window=window, softcap=softcap,
+                  masked=masked)
     ds = ds.astype(kt[0].dtype)
     return tuple(acc + _dot(ds, x) for acc, x in zip(dq, kt))
 
-  lo = rng_ref[0]
-  dq = lax.fori_loop(0, rng_ref[1] - lo, lambda r, c: body(lo + r, c),
-                     tuple(jnp.zeros(r.shape, jnp.float32) for r in dq_refs))
+  dq = _loops(rng_ref, body, tuple(jnp.zeros(r.shape, jnp.float32) for r in dq_refs))
   for r, acc in zip(dq_refs, dq):
     r[...] = acc * scale
 
@@ -150,7 +175,7 @@ def _dkv_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, bq, grou
   dv = tuple(jnp.zeros(r.shape, jnp.float32) for r in dv_refs)
   for g in range(groups):                           # query heads of this kv head
 
-    def body(i, carry, g=g):
+    def body(i, carry, masked, g=g):
       dk, dv = carry
       qs = pl.ds(i * bq, bq)
       qt = [r[qs, g, :] for r in q_refs]            # [bq, w] each
@@ -159,16 +184,14 @@ def _dkv_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, bq, grou
       delta = delta_ref[g, qs]
       qseg = None if qseg_ref is None else qseg_ref[qs]
       p, ds = _tile(qt, kt, vt, dot_, lse, delta, qpos_ref[qs], kpos, qseg, kseg, scale=scale,
-                    causal=causal, window=window, softcap=softcap)
+                    causal=causal, window=window, softcap=softcap, masked=masked)
       pt = p.astype(dot_[0].dtype).T
       dst = ds.astype(qt[0].dtype).T
       dv = tuple(acc + _dot(pt, x) for acc, x in zip(dv, dot_))
       dk = tuple(acc + _dot(dst, x) for acc, x in zip(dk, qt))
       return dk, dv
 
-    lo = rng_ref[0]
-    dk, dv = lax.fori_loop(0, rng_ref[1] - lo, lambda r, c, body=body: body(lo + r, c),
-                           (dk, dv))
+    dk, dv = _loops(rng_ref, body, (dk, dv))
   for r, acc in zip(dk_refs, dk):
     r[...] = acc * scale
   for r, acc in zip(dv_refs, dv):
@@ -203,10 +226,10 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   delta = base.softmax_delta(out, dout, dlse)
   # No key: +inf, so that p = 0 exactly; NaN (the row saw a NaN value) stays NaN.
   lse_safe = jnp.where(lse == -jnp.inf, jnp.inf, lse).astype(jnp.float32)
-  work, _ = common.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)
-  work = jnp.broadcast_to(work, (b, nq, nk))
-  q_rng = _ranges(work)                             # [B, nq, 2] key tiles per query tile
-  k_rng = _ranges(work.transpose(0, 2, 1))          # [B, nk, 2] query tiles per key tile
+  work, full = common.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)
+  work, full = jnp.broadcast_to(work, (b, nq, nk)), jnp.broadcast_to(full, (b, nq, nk))
+  q_rng = _ranges(work, full)                       # [B, nq, 4] key tiles per query tile
+  k_rng = _ranges(work.transpose(0, 2, 1), full.transpose(0, 2, 1))   # query tiles per key
   q_pos = q_pos.astype(jnp.int32)
   k_pos = k_pos.astype(jnp.int32)
   # Inside shard_map the kernels see per-device values; like plgpu.kernel, trace the calls
@@ -284,7 +307,7 @@ def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_
           pl.BlockSpec((bq,), lambda bi, ni, i: (qt(i),)),                           # q_pos
           pl.BlockSpec((s,), lambda bi, ni, i: (0,)),                                # k_pos
           *seg_specs_q,
-          pl.BlockSpec((None, None, 2), lambda bi, ni, i: (bi, qt(i), 0)),           # range
+          pl.BlockSpec((None, None, 4), lambda bi, ni, i: (bi, qt(i), 0)),           # range
       ],
       out_specs=[pl.BlockSpec((None, bq, None, w), lambda bi, ni, i: (bi, qt(i), ni, 0))
                  for w in h_pieces],                               # one array a piece
@@ -316,7 +339,7 @@ def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_
           pl.BlockSpec((t,), lambda bi, hi, j: (0,)),                                # q_pos
           pl.BlockSpec((bk,), lambda bi, hi, j: (j,)),                               # k_pos
           *seg_specs_k,
-          pl.BlockSpec((None, None, 2), lambda bi, hi, j: (bi, j, 0)),               # range
+          pl.BlockSpec((None, None, 4), lambda bi, hi, j: (bi, j, 0)),               # range
       ],
       out_specs=[pl.BlockSpec((None, bk, None, w), lambda bi, hi, j: (bi, j, hi, 0))
                  for w in h_pieces + hv_pieces],                   # one array a piece
