@@ -151,23 +151,35 @@ def _first_true(x, default):
   return jnp.where(first == n, default, first).astype(jnp.int32)
 
 
+def work_ranges(work, full):
+  """Per row of tiles (along the last axis), int32 [..., 4] = (lo, flo, fhi, hi): [lo, hi)
+  from the first tile with work to the last ((0, 0) where none), and inside it [flo, fhi),
+  the first run of full tiles (flo = fhi = lo where there is none). Causal, 4 tiles, row 2:
+  work = (1, 1, 1, 0), full = (1, 1, 0, 0) -> (0, 0, 2, 3). `full` implies `work`
+  (tile_flags), so [flo, fhi) lies inside [lo, hi)."""
+  n = work.shape[-1]
+  ar = jnp.arange(n, dtype=jnp.int32)
+  lo = _first_true(work, 0)
+  hi = jnp.where(work, ar + 1, 0).max(axis=-1).astype(jnp.int32)
+  has_full = full.any(axis=-1)
+  flo = _first_true(full, 0)
+  fhi = _first_true((ar >= flo[..., None]) & ~full, n)
+  return jnp.stack([lo, jnp.where(has_full, flo, lo), jnp.where(has_full, fhi, lo), hi],
+                   axis=-1).astype(jnp.int32)
+
+
 def tile_plan(work, full):
   """Per query tile: int32 [B|1, nq, 8] = (u_lo, lo, flo, fhi, hi, u_hi, 0, 0).
 
   [lo, hi): the key tiles that may have work (every tile outside is skipped); [flo, fhi):
-  a run of full tiles inside it, computed without a mask; [u_lo, u_hi): the union of the
-  ranges of the two query tiles 2c, 2c + 1 that one CUDA block computes (the K/V stream).
-  A tile with no work has lo = hi = u_lo, an empty range inside the union.
+  a run of full tiles inside it, computed without a mask (work_ranges); [u_lo, u_hi): the
+  union of the ranges of the two query tiles 2c, 2c + 1 that one CUDA block computes (the
+  K/V stream). A tile with no work has lo = hi = u_lo, an empty range inside the union.
   """
   nk = work.shape[-1]
-  ar = jnp.arange(nk, dtype=jnp.int32)
   any_work = work.any(axis=-1)
-  lo = _first_true(work, 0)
-  hi = jnp.where(any_work, nk - _first_true(work[..., ::-1], nk), 0).astype(jnp.int32)
-  flo = _first_true(full, 0)
-  has_full = full.any(axis=-1)
-  broken = (ar >= flo[..., None]) & ~full
-  fhi = jnp.where(has_full, _first_true(broken, nk), 0).astype(jnp.int32)
+  ranges = work_ranges(work, full)
+  lo, flo, fhi, hi = (ranges[..., i] for i in range(4))
   # pair query tiles (2c, 2c + 1): the union of the ranges with work
   b, nq = work.shape[0], work.shape[1]
   lo_w = jnp.where(any_work, lo, nk).reshape(b, nq // 2, 2)
@@ -180,11 +192,12 @@ def tile_plan(work, full):
   def clamp(x, a, b_):
     return jnp.minimum(jnp.maximum(x, a), b_)
 
+  # A tile with no work: its empty range moves to u_lo (and so do flo, fhi, equal to lo).
   lo = jnp.where(any_work, lo, u_lo)
   hi = jnp.where(any_work, hi, u_lo)
   lo, hi = clamp(lo, u_lo, u_hi), clamp(hi, u_lo, u_hi)
-  flo = jnp.where(has_full, clamp(flo, lo, hi), lo)
-  fhi = jnp.where(has_full, clamp(fhi, flo, hi), flo)
+  flo = clamp(flo, lo, hi)
+  fhi = clamp(fhi, flo, hi)
   zero = jnp.zeros_like(lo)
   return jnp.stack([u_lo, lo, flo, fhi, hi, u_hi, zero, zero], axis=-1).astype(jnp.int32)
 

@@ -46,27 +46,9 @@ from ringflash.kernels import base
 from ringflash.kernels import pallas_gpu_common as common
 
 
-def _ranges(work, full):
-  """Per row of tiles, int32 [..., 4] = (lo, flo, fhi, hi): [lo, hi) from the first tile
-  with work to the last ((0, 0) where none), and inside it [flo, fhi), a run of tiles whose
-  every pair is valid (from the first such tile to the next that is not; flo = fhi = lo
-  where there is none), which the kernels compute without a mask. Causal, 4 tiles, row 2:
-  work = (1, 1, 1, 0), full = (1, 1, 0, 0) -> (0, 0, 2, 3)."""
-  n = work.shape[-1]
-  ar = jnp.arange(n, dtype=jnp.int32)
-  lo = jnp.where(work, ar, n).min(axis=-1)
-  hi = jnp.where(work, ar + 1, 0).max(axis=-1)
-  lo = jnp.where(hi > 0, lo, 0)
-  flo = jnp.where(full, ar, n).min(axis=-1)
-  fhi = jnp.where((ar >= flo[..., None]) & ~full, ar, n).min(axis=-1)
-  has_full = full.any(axis=-1)
-  flo, fhi = jnp.where(has_full, flo, lo), jnp.where(has_full, fhi, lo)
-  return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
-
-
 def _loops(rng_ref, body, carry):
   """body(tile, carry, masked) over [lo, flo) and [fhi, hi) with the mask and over
-  [flo, fhi) without (rng_ref: _ranges' four bounds)."""
+  [flo, fhi) without (rng_ref: common.work_ranges' four bounds)."""
   lo, flo, fhi, hi = rng_ref[0], rng_ref[1], rng_ref[2], rng_ref[3]
   for start, stop, masked in ((lo, flo, True), (flo, fhi, False), (fhi, hi, True)):
     carry = lax.fori_loop(0, stop - start,
@@ -228,8 +210,8 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   lse_safe = jnp.where(lse == -jnp.inf, jnp.inf, lse).astype(jnp.float32)
   work, full = common.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)
   work, full = jnp.broadcast_to(work, (b, nq, nk)), jnp.broadcast_to(full, (b, nq, nk))
-  q_rng = _ranges(work, full)                       # [B, nq, 4] key tiles per query tile
-  k_rng = _ranges(work.transpose(0, 2, 1), full.transpose(0, 2, 1))   # query tiles per key
+  q_rng = common.work_ranges(work, full)            # [B, nq, 4] key tiles per query tile
+  k_rng = common.work_ranges(work.transpose(0, 2, 1), full.transpose(0, 2, 1))  # [B, nk, 4]
   q_pos = q_pos.astype(jnp.int32)
   k_pos = k_pos.astype(jnp.int32)
   # Inside shard_map the kernels see per-device values; like plgpu.kernel, trace the calls
