@@ -172,6 +172,37 @@ def test_backward_kernels_interpret(causal, segs, n, kh, window, h, hv, softcap,
     assert float(jnp.abs(got[0][:, t - t // 8:]).max()) == 0.0
 
 
+@pytest.mark.parametrize("row", [80, 20])
+def test_backward_interpret_nan_row_reaches_only_the_keys_it_sees(row):
+  """The non-finite rule in the Triton backward (interpret, MLA pieces 128 + 64 / 128,
+  causal): a row that saw a NaN carries it in its lse (base.guard_backward); its gradients
+  and those of the keys it sees (j <= row) become NaN, every other gradient is what it is
+  without the NaN, bit for bit. Row 80 sees key tile 0 through the unmasked run of full
+  tiles and keys 64..80 through the masked diagonal tile; row 20 only the diagonal tile."""
+  b, t, n, kh, h, hv = 1, 128, 4, 2, 192, 128
+  q, k, v, do = _inputs(4, b, t, t, n, kh, h, hv)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  spec = base.KernelSpec(scale=h ** -0.5, causal=True, tiles=ringflash.GpuBlockSizes(64, 64, 2),
+                         interpret=True)
+  out, lse = oracle.attention(q, k, v, causal=True)
+  out = out.astype(q.dtype)
+  clean = pallas_gpu.backward(q, k, v, out, lse, do, pos, pos, None, None, spec)
+  head = 1                                           # query head 1: kv head 0 (G = 2)
+  got = pallas_gpu.backward(q, k, v, out, lse.at[0, head, row].set(jnp.nan), do, pos, pos,
+                            None, None, spec)
+  dq, dk, dv = (np.asarray(x) for x in got)
+  dq0, dk0, dv0 = (np.asarray(x) for x in clean)
+  assert np.isnan(dq[0, row, head]).all()
+  dq_nan = np.zeros(dq.shape, bool)
+  dq_nan[0, row, head] = True
+  np.testing.assert_array_equal(dq[~dq_nan], dq0[~dq_nan])
+  for g, g0 in ((dk, dk0), (dv, dv0)):
+    assert np.isnan(g[0, :row + 1, 0]).all()
+    seen = np.zeros(g.shape, bool)
+    seen[0, :row + 1, 0] = True
+    np.testing.assert_array_equal(g[~seen], g0[~seen])
+
+
 # ----------------------------------------------------------------------------- CPU: lowering
 
 
