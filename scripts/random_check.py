@@ -21,11 +21,12 @@ Two kinds of case:
   permuted), out and lse (rows with no valid key exactly 0 and -inf), then dq, dk, dv from
   the oracle's out and lse.
 
-In three fifths of the api cases one entry of q, k or v is then set to NaN, +Inf or -Inf: the
-rows that see it must be non-finite (for NaN, and for an infinite value; an infinite
-query or key may give a score of -inf or, capped, a finite one, so those rows are not
-checked), every other row finite and exact, and the gradients, with a zero cotangent on the
-rows that see it, finite and exact (the non-finite rule of shared/DESIGN.md).
+In three fifths of the api cases one entry of q, k or v is then set to NaN, +Inf or -Inf
+(the non-finite rule of ringflash/kernels/base.py): the rows that see it must be
+non-finite (a NaN anywhere, an infinity in v; an infinity in q or k may give a score of
+-inf, or a finite one under a soft-cap, so those rows are not checked), every other row
+finite and exact, and the gradients, with a zero cotangent on the rows that see it, finite
+and exact.
 
 Tolerances: float32 inputs within 2e-4 max(1, max |ref|) (every array); 16-bit inputs
 within 3x the error of the same dense attention computed in the inputs' dtype (the oracle
@@ -42,7 +43,8 @@ or a ValueError naming an argument) is counted as refused and printed, not faile
   XLA_FLAGS=--xla_gpu_autotune_level=0 python3 scripts/random_check.py \
       --backend=pallas_gpu --size=large --seconds=300 --seed=1
 
-Results (docs/GPU_NOTES.md, run 93, and the closing notes) are recorded with their seeds.
+docs/GPU_NOTES.md, run 93, has the H200's results (of the scratch script this one was
+written from, with the same criteria and kinds of case).
 """
 
 from __future__ import annotations
