@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +13,17 @@ from jax.sharding import Mesh
 
 import oracle
 import ringflash
+
+
+def load_script(name: str):
+  """scripts/NAME.py as a module (scripts/ is not a package), registered in sys.modules so
+  that its dataclasses can find their module."""
+  path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(name, path)
+  script = importlib.util.module_from_spec(spec)
+  sys.modules[name] = script
+  spec.loader.exec_module(script)
+  return script
 
 
 def mesh_of(ring_size: int, axis_name: str = "sp") -> Mesh:

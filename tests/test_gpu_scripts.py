@@ -4,19 +4,7 @@ cases to processes."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
-_SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _load(name):
-  """The script scripts/NAME.py as a module (scripts/ is not a package)."""
-  spec = importlib.util.spec_from_file_location(name, _SCRIPTS / f"{name}.py")
-  script = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(script)
-  return script
-
+import helpers
 
 # Abridged from run 12 (docs/GPU_NOTES.md): the causal backward, then a forward.
 _INJECTED = ("ptxas info    : (C7519) warpgroup.arrive is injected in around line {} by "
@@ -40,7 +28,7 @@ ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem
 
 
 def test_resources_report_reads_ptxas_output(tmp_path, capsys):
-  script = _load("gpu_resources")
+  script = helpers.load_script("gpu_resources")
   for i, (ptxas, ptx, smem) in enumerate([(_FORWARD, "cp.async.bulk.tensor", 166912),
                                           (_BACKWARD, "cp.reduce.async.bulk.tensor", 197632)]):
     (tmp_path / f"entry_{i}.ptxas").write_text(ptxas)
@@ -60,7 +48,7 @@ def test_resources_report_reads_ptxas_output(tmp_path, capsys):
 
 
 def test_resources_report_counts_serialized_wgmma(tmp_path, capsys):
-  script = _load("gpu_resources")
+  script = helpers.load_script("gpu_resources")
   (tmp_path / "entry_0.ptxas").write_text(_SERIALIZED + _FORWARD)
   (tmp_path / "entry_0.ptx").write_text("cp.async.bulk.tensor")
   script._report(tmp_path)  # pylint: disable=protected-access
@@ -125,7 +113,7 @@ _PLAIN = [("FFMA R2, R3, R4, R2", "1,032,192", {"wait": "1,032,192"}), ("EXIT", 
 
 
 def test_stalls_split_roles_and_categories(tmp_path, capsys):
-  script = _load("gpu_stalls")
+  script = helpers.load_script("gpu_stalls")
   path = tmp_path / "sass.csv"
   path.write_text(_sass_csv([_COMPUTE + _MEMORY + _RETRY, _PLAIN]))
   first, second = script.parse(path)
@@ -163,7 +151,7 @@ def test_stalls_split_roles_and_categories(tmp_path, capsys):
 
 
 def test_gpu_tests_deals_the_collected_cases_and_reads_the_summaries():
-  script = _load("gpu_tests")
+  script = helpers.load_script("gpu_tests")
   collected = ("tests/contract/test_pallas_gpu.py::TestPallasGpu::test_lse_cotangent_flows\n"
                "tests/test_pallas_gpu.py::test_auto_picks_pallas_gpu\n"
                "tests/test_pallas_gpu.py::test_ring_one_gpu_matches_oracle[True-2]\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import helpers
 from ringflash.cli import hlo
 
 KV = "bf16[1,4096,8,128]{3,2,1,0}"
@@ -91,12 +92,7 @@ def test_computations_lists_each_body_in_order_and_the_entry():
 
 
 def test_schedule_script_lists_events_in_order(tmp_path, capsys):
-  import importlib.util
-  import os
-  path = os.path.join(os.path.dirname(__file__), "..", "scripts", "hlo_schedule.py")
-  spec = importlib.util.spec_from_file_location("hlo_schedule", path)
-  script = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(script)
+  script = helpers.load_script("hlo_schedule")
   module = tmp_path / "m.txt"
   module.write_text(_module([SYNC, START_GPU, TARGETS["mosaic_gpu"], DONE]))
   assert script.main([str(module)]) == 0

@@ -5,29 +5,16 @@ saw NaN made finite) that a backend could give."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import pathlib
-import sys
 
 import jax.numpy as jnp
 import pytest
 
+import helpers
 import ringflash
 from ringflash.kernels import xla
 
-_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "random_check.py"
-
-
-def _load():
-  spec = importlib.util.spec_from_file_location("random_check", _SCRIPT)
-  script = importlib.util.module_from_spec(spec)
-  sys.modules["random_check"] = script             # dataclasses look their module up
-  spec.loader.exec_module(script)
-  return script
-
-
-random_check = _load()
+random_check = helpers.load_script("random_check")
 
 # An api case on a ring of 4 with most features at once, and a kernel hop whose keys lie
 # partly after the queries.
