@@ -6,32 +6,48 @@ cases or --seconds have passed. Prints one line per failure and per refusal, the
 exits 1 if any case failed. The contract tests check each feature on a fixed grid; this
 checks their combinations, which no grid covers.
 
-Two kinds of case:
-- "api": `ring_attention(..., return_residual=True)` over a 1-D mesh of P devices (P drawn
-  from 1, 2, 4, 8, as many as there are): strategy ring (also bidirectional), allgather,
-  ulysses or auto; layout contiguous, zigzag or striped (inputs permuted with to_layout,
-  results restored with from_layout); no, one or two leading batch dims; GQA / MQA; value
-  head dim unlike the query's; causal, windows, segment ids, per-row sequence lengths,
-  sinks, soft-caps (queries scaled so that scores pass the cap), other scales, sequence
-  lengths that do not divide by P. Checked: out, lse (and which rows are -inf), and the
-  gradients of q, k, v and sinks.
+Three kinds of case:
+- "api": `ring_attention(..., return_residual=True)` over P devices (P drawn from 1, 2, 4,
+  8, as many as there are), a 1-D mesh or, for P >= 4, a 2-D mesh ("r", "u") with the
+  sequence over both axes: strategy ring (also bidirectional), allgather, ulysses, auto, and
+  on the 2-D mesh hybrid (Ulysses over "u", the ring over "r"); layout contiguous, zigzag
+  or striped (inputs permuted with to_layout, results restored with from_layout); no, one or
+  two leading batch dims; GQA / MQA; value head dim unlike the query's; causal, windows,
+  segment ids, per-row sequence lengths, sinks, soft-caps (queries scaled so that scores
+  pass the cap), other scales, sequence lengths that do not divide by P. Checked: out, lse
+  (and which rows are -inf), and the gradients of q, k, v and sinks, from a cotangent on
+  out and, in three tenths of the cases, on lse as well.
 - "hop": the backend's forward and backward kernels alone (the kernel contract of
   ringflash/kernels/base.py), as one ring hop: key positions offset from the queries' (keys
   partly after, entirely after or before them, positions near 2^31, query positions
   permuted), out and lse (rows with no valid key exactly 0 and -inf), then dq, dk, dv from
   the oracle's out and lse.
+- "decode": `decode_attention` of t new tokens per row (t 1-8, rows whose length is below t
+  or the whole cache among them) against a cache of S_max slots sharded over P devices,
+  strategy reduce, allgather or ring, the cache filled one of three ways: slot j holding
+  position j; each row's tokens in random slots, the others free (cache_positions); a
+  ringflash.KVCache prefilled in a layout (rows padded) and appended to. GQA / MQA, value
+  head dims, windows (also with a right side, which causality cuts), sinks, soft-caps,
+  scales. Checked: out and lse against the oracle given the tokens at their positions.
 
-In three fifths of the api cases one entry of q, k or v is then set to NaN, +Inf or -Inf
+In three fifths of the api and decode cases one entry of q, k or v (in decode cases: of the
+query or of a cache slot, also a free slot or one no row sees) is set to NaN, +Inf or -Inf
 (the non-finite rule of ringflash/kernels/base.py): the rows that see it must be
 non-finite (a NaN anywhere, an infinity in v; an infinity in q or k may give a score of
 -inf, or a finite one under a soft-cap, so those rows are not checked), every other row
-finite and exact, and the gradients, with a zero cotangent on the rows that see it, finite
-and exact.
+finite and exact, and (api) the gradients, with a zero cotangent on the rows that see it,
+finite and exact.
 
 Tolerances: float32 inputs within 2e-4 max(1, max |ref|) (every array); 16-bit inputs
 within 3x the error of the same dense attention computed in the inputs' dtype (the oracle
-with upcast=False) plus 1e-3 max(1, max |ref|), 4e-3 for dsinks (one sum over every row of a
-head, computed from the rounded output). A case the library refuses (NotImplementedError,
+with upcast=False) plus 1e-3 max(1, max |ref|); for dsinks plus also the dtype's unit
+roundoff (2^-8 bf16, 2^-11 f16) times sum_i |p_sink,i D_i| (the largest over heads, from the
+oracle): dsinks is one sum over every row of a head of p_sink,i D_i, each D_i = dout_i . out_i
+taken from the output as the kernels store it, in the inputs' dtype, so its error scales
+with those terms, not with the sum, which can cancel to a small fraction of them (run 94's
+case: the sum 0.23 of terms of magnitude 13.4 in all; 0.0107 off on xla and on pallas_gpu
+alike). Dense attention in the inputs' dtype never rounds the output before its gradient,
+so its error is no measure of this one. A case the library refuses (NotImplementedError,
 or a ValueError naming an argument) is counted as refused and printed, not failed.
 
   # CPU, simulated devices (xla, or the Pallas backends interpreted), in the test venv:
@@ -39,7 +55,7 @@ or a ValueError naming an argument) is counted as refused and printed, not faile
       --seconds=600 --seed=1
   JAX_PLATFORMS=cpu .venv-test/bin/python scripts/random_check.py --backend=pallas_tpu \
       --seconds=600 --seed=1
-  # one H200 (api cases on one device, larger shapes, 16-bit inputs):
+  # one H200 (api and decode cases on one device, larger shapes, 16-bit inputs):
   XLA_FLAGS=--xla_gpu_autotune_level=0 python3 scripts/random_check.py \
       --backend=pallas_gpu --size=large --seconds=300 --seed=1
 
@@ -97,21 +113,29 @@ class Case:
   poison: str | None
   poison_value: float
   seed: int
+  axes: int = 1            # api: 1 (mesh ("sp",)) or 2 (mesh ("r", "u"), axis_name ("r", "u"))
+  lse_grad: bool = False   # api: a cotangent on lse too, not only on out
+  path: str = "-"          # decode: "slots", "positions" or "cache" (see decode())
 
 
 def draw(rng: random.Random, devices: int, size: str) -> Case:
   """A random case on up to `devices` devices, of `size` shapes."""
-  kind = "hop" if rng.random() < 0.4 else "api"
+  kind = rng.choices(["api", "hop", "decode"], weights=[45, 30, 25])[0]
   sizes = [p for p in (1, 2, 4, 8) if p <= devices]
-  p = rng.choice(sizes) if kind == "api" else 1
-  strategy = rng.choice(["ring", "ring", "allgather", "ulysses", "auto"])
+  p = rng.choice(sizes) if kind != "hop" else 1
+  axes = 2 if kind == "api" and p >= 4 and rng.random() < 0.3 else 1
+  strategy = rng.choice(["ring", "ring", "allgather", "ulysses", "auto"] +
+                        ["hybrid"] * (2 if axes == 2 else 0))
   layout = rng.choice(["contiguous", "contiguous", "zigzag", "striped"]) if p > 1 else (
       "contiguous")
   kh, g = rng.choice([1, 2, 4]), rng.choice([1, 2])
-  if strategy == "ulysses" and (kh * g) % p:
-    kh = max(1, p // g)
+  heads_split = {"ulysses": p, "hybrid": 2}.get(strategy, 1)  # hybrid: Ulysses over "u" (2)
+  if (kh * g) % heads_split:
+    kh = max(1, heads_split // g)
   h, hv = rng.choice(_DIMS[size])
   causal = rng.random() < 0.5
+  if kind == "decode":
+    return _draw_decode(rng, p, size, kh, g, h, hv)
   if kind == "hop":
     t = rng.choice(_HOP_LENGTHS[size])
     s = rng.choice([t] + _HOP_LENGTHS[size][:2])
@@ -131,10 +155,7 @@ def draw(rng: random.Random, devices: int, size: str) -> Case:
   return Case(
       kind=kind, ring_size=p, strategy=strategy, layout=layout,
       bidirectional=strategy == "ring" and rng.random() < 0.3, h=h, hv=hv, t=t, s=s,
-      n=kh * g, kh=kh, lead=lead,
-      dtype="float32" if size == "small" and rng.random() < 0.5 else rng.choice(
-          ["bfloat16"] * 3 + ["float16"]),
-      causal=causal,
+      n=kh * g, kh=kh, lead=lead, dtype=_draw_dtype(rng, size), causal=causal,
       window=rng.choice([None, None, short, (2 * short, 0), (short // 2, 3 * short)]),
       segments=rng.random() < 0.3 and t == s,
       lengths=kind == "api" and rng.random() < 0.3 and bool(lead),
@@ -143,11 +164,42 @@ def draw(rng: random.Random, devices: int, size: str) -> Case:
       q_scale=rng.choice([1.0, 1.0, 4.0, 12.0]), scale=rng.choice([None, None, 0.05]),
       poison=rng.choice([None, None, "q", "k", "v"]) if kind == "api" else None,
       poison_value=rng.choice([math.nan, math.inf, -math.inf]),
-      seed=rng.randrange(1 << 30))
+      seed=rng.randrange(1 << 30), axes=axes,
+      lse_grad=kind == "api" and rng.random() < 0.3)
 
 
-def compare(name, got, want, plain, dtype) -> str | None:
-  """Why `got` is not close enough to the oracle's `want` (None: it is)."""
+def _draw_dtype(rng: random.Random, size: str) -> str:
+  return "float32" if size == "small" and rng.random() < 0.5 else rng.choice(
+      ["bfloat16"] * 3 + ["float16"])
+
+
+def _draw_decode(rng: random.Random, p: int, size: str, kh: int, g: int, h: int,
+                 hv: int) -> Case:
+  """A decode case: t new tokens of B rows against a cache of S_max slots over P devices
+  (strategy: decode's; layout: the prompt's, for the "cache" path)."""
+  path = rng.choice(["slots", "positions", "cache"])
+  share = rng.choice([128, 256, 40] if size == "small" else [256, 1024, 4096, 16384])
+  s = p * share
+  t = rng.choice([1, 1, 2, 3, 4, 8])
+  short = max(2, rng.choice([s // 16, s // 3]))
+  return Case(
+      kind="decode", ring_size=p, strategy=rng.choice(["reduce", "reduce", "allgather", "ring"]),
+      layout=rng.choice(["contiguous", "zigzag", "striped"]) if path == "cache" else (
+          "contiguous"),
+      bidirectional=False, h=h, hv=hv, t=t, s=s, n=kh * g, kh=kh,
+      lead=(rng.choice([1, 2, 3]),), dtype=_draw_dtype(rng, size), causal=True,
+      window=rng.choice([None, None, short, (short, 0), (short, 5)]), segments=False,
+      lengths=True, sinks=rng.random() < 0.35, softcap=rng.choice([None, None, 5.0, 30.0]),
+      q_scale=rng.choice([1.0, 1.0, 4.0, 12.0]), scale=rng.choice([None, None, 0.05]),
+      poison=rng.choice([None, None, "q", "k", "v"]),
+      poison_value=rng.choice([math.nan, math.inf, -math.inf]),
+      seed=rng.randrange(1 << 30), path=path)
+
+
+def compare(name, got, want, plain, dtype, terms: float = 0.0) -> str | None:
+  """Why `got` is not close enough to the oracle's `want` (None: it is). terms: for a sum
+  over rows of terms computed from the output stored in the inputs' 16-bit dtype (dsinks),
+  the sum of the terms' magnitudes; the bound grows by the dtype's unit roundoff times it."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   got, want, plain = (np.asarray(x, np.float32) for x in (got, want, plain))
   if got.shape != want.shape:
@@ -158,8 +210,8 @@ def compare(name, got, want, plain, dtype) -> str | None:
   if np.dtype(dtype).itemsize == 4:
     bound = 2e-4 * scale
   else:
-    floor = 4e-3 if name.endswith("dsinks") else 1e-3
-    bound = 3 * float(np.max(np.abs(plain - want), initial=0.0)) + floor * scale
+    bound = (3 * float(np.max(np.abs(plain - want), initial=0.0)) + 1e-3 * scale +
+             float(np.finfo(dtype).eps) / 2 * terms)
   err = float(np.max(np.abs(got - want), initial=0.0))
   if err > bound:
     return f"{name}: error {err:.3g} over its bound {bound:.3g}"
@@ -197,12 +249,17 @@ class _Checker:
     lead, b = c.lead, math.prod(c.lead)
     q, k, v, dout, sinks = self.inputs(c, lead)
     nr = np.random.RandomState(c.seed % (1 << 30))
+    dlse = jnp.asarray(nr.standard_normal(lead + (c.n, c.t)), jnp.float32)
     seg = np.sort(nr.randint(1, 4, (b, c.t)), axis=-1).astype(np.int32) if c.segments else None
     q_len = nr.randint(0, c.t + 1, b).astype(np.int32) if c.lengths else None
     kv_len = nr.randint(0, c.s + 1, b).astype(np.int32) if c.lengths else None
     aux = {"seg": seg, "q_len": q_len, "kv_len": kv_len}
     aux = {name: None if x is None else jnp.asarray(x) for name, x in aux.items()}
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:c.ring_size]), ("sp",))
+    devices = np.array(jax.devices()[:c.ring_size])
+    if c.axes == 2:                 # the sequence over ("r", "u"), "u" the minor axis of 2
+      mesh, axis = jax.sharding.Mesh(devices.reshape(-1, 2), ("r", "u")), ("r", "u")
+    else:
+      mesh, axis = jax.sharding.Mesh(devices, ("sp",)), "sp"
     user = lambda x: x.reshape(lead + x.shape[1:])          # [B, ...] -> [*lead, ...]
     flat = lambda x: x.reshape((b,) + x.shape[len(lead):])  # [*lead, ...] -> [B, ...]
     nat = len(lead)                                         # the sequence axis of q, k, v
@@ -212,7 +269,7 @@ class _Checker:
                             rf.to_layout(x, c.layout, c.ring_size, axis=axis))
       seg_u = None if aux["seg"] is None else to(user(aux["seg"]), nat)
       out, lse = rf.ring_attention(
-          to(q, nat), to(k, nat), to(v, nat), mesh=mesh, axis_name="sp", is_causal=c.causal,
+          to(q, nat), to(k, nat), to(v, nat), mesh=mesh, axis_name=axis, is_causal=c.causal,
           scale=c.scale, segment_ids=seg_u, return_residual=True, backend=self.backend,
           layout=c.layout, local_window_size=c.window, bidirectional=c.bidirectional,
           sinks=sinks, logits_soft_cap=c.softcap, strategy=c.strategy,
@@ -232,15 +289,36 @@ class _Checker:
       return f
 
     def run(f, q, k, v, keep):
-      def loss(q, k, v, sinks, aux, keep, dout):
-        return jnp.sum(jnp.where(keep, f(q, k, v, sinks, aux)[0].astype(jnp.float32) * dout,
-                                 0.0))
+      def loss(q, k, v, sinks, aux, keep, dout, dlse):
+        out, lse = f(q, k, v, sinks, aux)
+        total = jnp.sum(jnp.where(keep, out.astype(jnp.float32) * dout, 0.0))
+        if c.lse_grad:                 # rows kept, and with a key (lse finite)
+          seen = jnp.moveaxis(keep[..., 0], -1, -2) & jnp.isfinite(lse)
+          total += jnp.sum(jnp.where(seen, lse, 0.0) * dlse)
+        return total
       argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
       res = jax.jit(f)(q, k, v, sinks, aux)
-      grads = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, sinks, aux, keep, dout)
+      grads = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, sinks, aux, keep, dout, dlse)
       return res, grads
 
     names = ("dq", "dk", "dv", "dsinks")
+
+    def grads_close(what, g, rg, pg, ro, rl, keep):
+      """dq, dk, dv (and dsinks) against the oracle's. dsinks = -sum over rows of p_sink D,
+      D = dout . out from the output in the inputs' dtype (the kernel contract), so its
+      error scales with the terms' magnitudes however much the sum cancels."""
+      terms = 0.0
+      if sinks is not None:
+        d = np.moveaxis(np.sum(np.where(keep, np.asarray(ro, np.float32) * dout, 0.0), -1),
+                        -1, -2)                                             # [*lead, N, T]
+        rl = np.asarray(rl)
+        live = np.isfinite(rl)
+        p_sink = np.exp(np.asarray(sinks)[:, None] - np.where(live, rl, 0.0))
+        mag = np.where(live, np.abs(p_sink * d), 0.0)
+        terms = float(np.max(np.sum(mag.reshape(-1, c.n, c.t), axis=(0, 2))))
+      return [compare(what + n_, *x, c.dtype, terms=terms if n_ == "dsinks" else 0.0)
+              for n_, *x in zip(names, g, rg, pg)]
+
     keep = jnp.ones(lead + (c.t, c.n, 1), bool)
     (o, lse), g = run(ours, q, k, v, keep)
     (ro, rl), rg = run(dense(True), q, k, v, keep)
@@ -253,13 +331,13 @@ class _Checker:
       zero = lambda x: np.where(finite, np.asarray(x, np.float32), 0.0)
       fails.append(compare("lse", zero(lse), zero(rl), zero(pl), c.dtype))
     fails.append(compare("out", o, ro, po, c.dtype))
-    fails += [compare(n_, *x, c.dtype) for n_, *x in zip(names, g, rg, pg)]
+    fails += grads_close("", g, rg, pg, ro, rl, keep)
     fails = [f for f in fails if f]
     if fails or c.poison is None:
       return fails
-    return self.poisoned(c, (q, k, v), aux, nr, ours, dense, run, names)
+    return self.poisoned(c, (q, k, v), aux, nr, ours, dense, run, grads_close)
 
-  def poisoned(self, c, qkv, aux, nr, ours, dense, run, names) -> list[str]:
+  def poisoned(self, c, qkv, aux, nr, ours, dense, run, grads_close) -> list[str]:
     """One NaN or Inf entry: the rows that see it, and nothing else, become non-finite."""
     jnp, np = self.jnp, self.np
     lead, b = c.lead, math.prod(c.lead)
@@ -283,7 +361,7 @@ class _Checker:
     seeing = seeing.reshape(lead + (c.t, c.n))
     keep = jnp.asarray(~seeing)[..., None]
     (o, _), g = run(ours, bad["q"], bad["k"], bad["v"], keep)
-    (ro, _), rg = run(dense(True), *qkv, keep)
+    (ro, rl), rg = run(dense(True), *qkv, keep)
     (po, _), pg = run(dense(False), *qkv, keep)
     o, ro, po = (np.asarray(x, np.float32) for x in (o, ro, po))
     broken = np.any(~np.isfinite(o), axis=-1)
@@ -293,7 +371,7 @@ class _Checker:
     if np.any(broken[~seeing]):
       return [f"{what}: reached {int(np.sum(broken[~seeing]))} rows that do not see it"]
     fails = [compare(f"{what}: out", o[~seeing], ro[~seeing], po[~seeing], c.dtype)]
-    fails += [compare(f"{what}: {n_}", *x, c.dtype) for n_, *x in zip(names, g, rg, pg)]
+    fails += grads_close(f"{what}: ", g, rg, pg, ro, rl, np.asarray(keep))
     return [f for f in fails if f]
 
   def valid_mask(self, c: Case, aux, b):
@@ -375,6 +453,122 @@ class _Checker:
     return [f for f in fails if f]
 
 
+  # ------------------------------------------------------------------------ decode cases
+
+  def decode(self, c: Case) -> list[str]:
+    """decode_attention of t new tokens per row, three ways of filling the cache:
+    "slots": slot j holds position j (cache_positions None); "positions": each row's
+    tokens in random slots, the rest free (cache_positions given, EMPTY); "cache": a
+    ringflash.KVCache prefilled in `c.layout` (rows padded) and appended to, its t new
+    tokens the last appended. The oracle sees the tokens themselves at their positions."""
+    jax, jnp, np, rf = self.jax, self.jnp, self.np, self.rf
+    from ringflash.kvcache import EMPTY  # pylint: disable=g-import-not-at-top
+    b, t, s = c.lead[0], c.t, c.s
+    nr = np.random.RandomState(c.seed % (1 << 30))
+    ks = jax.random.split(jax.random.key(c.seed), 4)
+    dt = jnp.dtype(c.dtype)
+    q = (jax.random.normal(ks[0], (b, t, c.n, c.h)) * c.q_scale).astype(dt)
+    k = jax.random.normal(ks[1], (b, s, c.kh, c.h)).astype(dt)
+    v = jax.random.normal(ks[2], (b, s, c.kh, c.hv)).astype(dt)
+    sinks = jax.random.normal(ks[3], (c.n,)) * 2 if c.sinks else None
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:c.ring_size]), ("sp",))
+    seq = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sp"))
+    if c.path == "cache":            # prompt of t0 tokens (rows padded), then appends
+      unit = 2 * c.ring_size if c.layout == "zigzag" else c.ring_size
+      t0 = unit * nr.randint(0, (s - 12) // unit + 1)
+      prompt = nr.randint(0, t0 + 1, b)
+      appends = [int(a) for a in nr.randint(1, 5, nr.randint(0, 3))]
+      t = min(t, appends[-1]) if appends else t
+      q = q[:, :t]
+      lengths = prompt + sum(appends)
+      positions = np.broadcast_to(np.arange(s), (b, s))        # the tokens, in order
+    else:
+      lengths = nr.randint(0, s + 1, b)
+      lengths[nr.randint(b)] = nr.choice([nr.randint(0, t + 1), s])    # short, or full
+      positions = np.broadcast_to(np.arange(s), (b, s))
+      if c.path == "positions":      # token i of row r in slot order[r][i], the rest free
+        slots = np.full((b, s), EMPTY, np.int32)
+        for r in range(b):
+          order = nr.permutation(s)[:lengths[r]]
+          slots[r, order] = np.arange(lengths[r])
+        positions = slots
+    lengths = lengths.astype(np.int32)
+    q_pos = lengths[:, None] - t + np.arange(t)[None, :]               # [B, t]
+    left, right = ((c.window, c.window) if isinstance(c.window, int) else c.window or
+                   (None, None))
+    dist = q_pos[:, :, None] - positions[:, None, :]                  # [B, t, S]
+    valid = (dist >= 0) & (positions[:, None, :] != EMPTY)
+    if left is not None:
+      valid &= (dist <= left) & (-dist <= right)
+    clean = {"q": q, "k": k, "v": v}
+    seeing = np.zeros((b, t, c.n), bool)
+    must = False
+    if c.poison is not None:
+      r = nr.randint(b)
+      if c.poison == "q":
+        i, head = nr.randint(t), nr.randint(c.n)
+        q = q.at[r, i, head, nr.randint(c.h)].set(c.poison_value)
+        seeing[r, i, head] = True
+        must = valid[r, i].any() and math.isnan(c.poison_value)
+      else:                           # a token seen by some rows (or by none: a free slot)
+        j, kv_head, grp = nr.randint(s), nr.randint(c.kh), c.n // c.kh
+        arr = k if c.poison == "k" else v
+        arr = arr.at[r, j, kv_head, nr.randint(arr.shape[-1])].set(c.poison_value)
+        k, v = (arr, v) if c.poison == "k" else (k, arr)
+        seeing[r, :, kv_head * grp:(kv_head + 1) * grp] = valid[r, :, j][:, None]
+        must = math.isnan(c.poison_value) or c.poison == "v"
+    options = dict(scale=c.scale, sinks=sinks, logits_soft_cap=c.softcap,
+                   local_window_size=c.window, backend=self.backend, strategy=c.strategy,
+                   return_residual=True)
+    if c.path == "cache":
+      cache = rf.KVCache.create(b, s, c.kh, c.h, mesh=mesh, dtype=dt, value_head_dim=c.hv)
+      if t0:
+        put = lambda x: jax.device_put(rf.to_layout(x[:, :t0], c.layout, c.ring_size), seq)
+        cache = cache.prefill(put(k), put(v), jnp.asarray(prompt.astype(np.int32)),
+                              layout=c.layout)
+      done = prompt.copy()
+      for a in appends:
+        new = lambda x: jnp.stack([x[r, done[r]:done[r] + a] for r in range(b)])
+        cache = cache.append(new(k), new(v))
+        done += a
+      out, lse = cache.attention(q, **options)
+    else:
+      out, lse = rf.decode_attention(
+          q, jax.device_put(k, seq), jax.device_put(v, seq),
+          cache_lengths=jnp.asarray(lengths), mesh=mesh, axis_name="sp",
+          cache_positions=None if c.path == "slots" else jax.device_put(
+              jnp.asarray(positions), seq),
+          **options)
+
+    def dense(upcast):
+      outs, lses = [], []
+      for r in range(b):
+        o_, l_ = self.oracle.attention(
+            clean["q"][r:r + 1], clean["k"][r:r + 1], clean["v"][r:r + 1], causal=True,
+            scale=c.scale, upcast=upcast, window=c.window, q_pos=q_pos[r],
+            kv_pos=positions[r], softcap=c.softcap, sinks=sinks)
+        outs.append(o_)
+        lses.append(l_)
+      return np.concatenate(outs), np.concatenate(lses)
+
+    (ro, rl), (po, pl) = dense(True), dense(False)
+    out, lse, ro, rl, po, pl = (np.asarray(x, np.float32) for x in (out, lse, ro, rl, po, pl))
+    what = f"decode {c.poison}={c.poison_value}: " if c.poison else "decode "
+    broken = np.any(~np.isfinite(out), axis=-1)                         # [B, t, N]
+    if must and not np.all(broken[seeing]):
+      return [f"{what}{int(np.sum(~broken[seeing]))} rows that see it are finite"]
+    if np.any(broken[~seeing]):
+      return [f"{what}reached {int(np.sum(broken[~seeing]))} rows that do not see it"]
+    ok = np.moveaxis(~seeing, -1, -2)                                   # [B, N, t]
+    finite = np.isfinite(rl)
+    if not np.array_equal(np.isfinite(lse)[ok], finite[ok]):
+      return [f"{what}lse: -inf where the oracle's is finite, or the other way"]
+    zero = lambda x: np.where(finite & ok, x, 0.0)
+    fails = [compare(f"{what}out", out[~seeing], ro[~seeing], po[~seeing], c.dtype),
+             compare(f"{what}lse", zero(lse), zero(rl), zero(pl), c.dtype)]
+    return [f for f in fails if f]
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--backend", default="xla", choices=["xla", "pallas_tpu", "pallas_gpu"])
@@ -407,7 +601,7 @@ def main(argv=None) -> int:
     case = draw(rng, devices, size)
     text = json.dumps(dataclasses.asdict(case))
     try:
-      fails = checker.hop(case) if case.kind == "hop" else checker.api(case)
+      fails = getattr(checker, case.kind)(case)
     except (NotImplementedError, ValueError) as err:
       counts["refused"] += 1
       print(f"REFUSED {text} {type(err).__name__}: {str(err)[:300]}", flush=True)

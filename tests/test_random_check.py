@@ -1,12 +1,14 @@
 """scripts/random_check.py: its cases pass on the xla backend, and it catches wrong results
 (a scaled output, a shifted key position, NaN reaching rows that do not see it, a row that
-saw NaN made finite) that a backend could give."""
+saw NaN made finite, an lse without its gradient, a decode without its sinks, a cache whose
+positions moved) that a backend could give."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -25,6 +27,14 @@ API = random_check.Case(
     poison=None, poison_value=math.nan, seed=7)
 HOP = dataclasses.replace(API, kind="hop", ring_size=1, layout="contiguous", t=32, s=128,
                           lengths=False, sinks=False, window=None, seed=11)
+# The hybrid strategy on a 2-D mesh, with a cotangent on lse; decode of t = 3 tokens against
+# 4 devices' slots holding tokens at random positions (rows of 512, all slots, and 118
+# tokens), and against a KVCache prefilled in the striped layout with 160 tokens (rows
+# padded to 15 and 72), then appended 4 and 3 tokens.
+HYBRID = dataclasses.replace(API, strategy="hybrid", axes=2, lse_grad=True, poison="q")
+DECODE = dataclasses.replace(API, kind="decode", strategy="reduce", layout="contiguous", t=3,
+                             s=512, window=None, segments=False, path="positions", seed=5)
+CACHE = dataclasses.replace(DECODE, layout="striped", window=(40, 5), path="cache", seed=2)
 
 
 def _checker():
@@ -38,11 +48,13 @@ def test_cases_pass_on_xla(capsys):
 
 @pytest.mark.parametrize("case", [API, HOP, dataclasses.replace(API, poison="k"),
                                   dataclasses.replace(API, poison="v", dtype="bfloat16",
-                                                      poison_value=math.inf)],
-                         ids=["api", "hop", "k-nan", "v-inf-bf16"])
+                                                      poison_value=math.inf),
+                                  HYBRID, DECODE, CACHE,
+                                  dataclasses.replace(DECODE, poison="v", dtype="bfloat16")],
+                         ids=["api", "hop", "k-nan", "v-inf-bf16", "hybrid-lse", "decode",
+                              "cache", "decode-v-nan-bf16"])
 def test_a_right_case_passes(case):
-  checker = _checker()
-  assert (checker.hop(case) if case.kind == "hop" else checker.api(case)) == []
+  assert getattr(_checker(), case.kind)(case) == []
 
 
 def _wrapped(monkeypatch, change):
@@ -77,3 +89,58 @@ def test_a_row_that_saw_nan_made_finite_fails(monkeypatch):
   _wrapped(monkeypatch, lambda q, k, v, out, lse: (jnp.nan_to_num(out), lse))
   fails = _checker().api(dataclasses.replace(API, poison="v"))
   assert fails and "rows that see it are finite" in fails[0], fails
+
+
+def test_an_lse_without_its_gradient_fails(monkeypatch):
+  _wrapped(monkeypatch, lambda q, k, v, out, lse: (out, jax.lax.stop_gradient(lse)))
+  fails = _checker().api(dataclasses.replace(HYBRID, poison=None))
+  assert fails and fails[0].startswith("dq: error"), fails
+
+
+def test_a_decode_without_its_sinks_fails(monkeypatch):
+  real = ringflash.decode_attention
+  monkeypatch.setattr(ringflash, "decode_attention",
+                      lambda q, kc, vc, **kw: real(q, kc, vc, **{**kw, "sinks": None}))
+  fails = _checker().decode(DECODE)
+  assert fails and fails[0].startswith("decode out: error"), fails
+
+
+def test_nan_in_a_slot_reaching_rows_that_do_not_see_it_fails(monkeypatch):
+  # a NaN in any slot, a free one too, reaches every row
+  real = ringflash.decode_attention
+
+  def attend(q, kc, vc, **kw):
+    out, lse = real(q, kc, vc, **kw)
+    return out + 0 * jnp.sum(kc).astype(out.dtype), lse
+
+  monkeypatch.setattr(ringflash, "decode_attention", attend)
+  fails = _checker().decode(dataclasses.replace(DECODE, poison="k"))
+  assert fails and "rows that do not see it" in fails[0], fails
+
+
+def test_a_cache_whose_positions_moved_fails(monkeypatch):
+  real = ringflash.KVCache.attention
+
+  def attention(cache, query, **kw):
+    moved = ringflash.KVCache(cache.k, cache.v, cache.positions + 1, cache.lengths,
+                              cache.used, mesh=cache.mesh, axis_name=cache.axis_name,
+                              batch_axis=cache.batch_axis)
+    return real(moved, query, **kw)
+
+  monkeypatch.setattr(ringflash.KVCache, "attention", attention)
+  fails = _checker().decode(CACHE)
+  assert fails and fails[0].startswith("decode"), fails
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_sink_gradient_off_by_a_tenth_fails(monkeypatch, dtype):
+  # the same forward; the gradient reaching sinks scaled by 1.1 (in bfloat16 this case's
+  # dense attention in bfloat16 is itself 4% off, and the criterion 3x that)
+  real = ringflash.ring_attention
+
+  def attend(q, k, v, *, sinks, **kw):
+    return real(q, k, v, sinks=sinks + 0.1 * (sinks - jax.lax.stop_gradient(sinks)), **kw)
+
+  monkeypatch.setattr(ringflash, "ring_attention", attend)
+  fails = _checker().api(dataclasses.replace(API, dtype=dtype))
+  assert fails and fails[0].startswith("dsinks: error"), fails
