@@ -7,10 +7,12 @@ exits 1 if any case failed. The contract tests check each feature on a fixed gri
 checks their combinations, which no grid covers.
 
 Three kinds of case:
-- "api": `ring_attention(..., return_residual=True)` over P devices (P drawn from 1, 2, 4,
-  8, as many as there are), a 1-D mesh or, for P >= 4, a 2-D mesh ("r", "u") with the
-  sequence over both axes: strategy ring (also bidirectional), allgather, ulysses, auto, and
-  on the 2-D mesh hybrid (Ulysses over "u", the ring over "r"); layout contiguous, zigzag
+- "api": `ring_attention(..., return_residual=True)` (or, in three tenths of the cases whose
+  lengths divide by the ring, `ring_attention_sharded` inside the caller's shard_map) over
+  P devices (P drawn from 1, 2, 4, 8, as many as there are), a 1-D mesh or, for P >= 4, a
+  2-D mesh ("r", "u") with the sequence over both axes: strategy ring (also bidirectional),
+  allgather, ulysses, auto, and on the 2-D mesh hybrid (Ulysses over "u", the ring over
+  "r"); layout contiguous, zigzag
   or striped (inputs permuted with to_layout, results restored with from_layout); no, one or
   two leading batch dims; GQA / MQA; value head dim unlike the query's; causal, windows,
   segment ids, per-row sequence lengths, sinks, soft-caps (queries scaled so that scores
@@ -116,6 +118,7 @@ class Case:
   axes: int = 1            # api: 1 (mesh ("sp",)) or 2 (mesh ("r", "u"), axis_name ("r", "u"))
   lse_grad: bool = False   # api: a cotangent on lse too, not only on out
   path: str = "-"          # decode: "slots", "positions" or "cache" (see decode())
+  entry: str = "ring_attention"   # api: or "ring_attention_sharded" in a shard_map
 
 
 def draw(rng: random.Random, devices: int, size: str) -> Case:
@@ -165,7 +168,10 @@ def draw(rng: random.Random, devices: int, size: str) -> Case:
       poison=rng.choice([None, None, "q", "k", "v"]) if kind == "api" else None,
       poison_value=rng.choice([math.nan, math.inf, -math.inf]),
       seed=rng.randrange(1 << 30), axes=axes,
-      lse_grad=kind == "api" and rng.random() < 0.3)
+      lse_grad=kind == "api" and rng.random() < 0.3,
+      entry="ring_attention_sharded" if (kind == "api" and rng.random() < 0.3 and
+                                         t % (2 * p if layout == "zigzag" else p) == 0)
+      else "ring_attention")
 
 
 def _draw_dtype(rng: random.Random, size: str) -> str:
@@ -225,10 +231,12 @@ class _Checker:
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
+    from jax.sharding import PartitionSpec  # pylint: disable=g-import-not-at-top
     sys.path.insert(0, str(_TESTS))
     import oracle  # pylint: disable=g-import-not-at-top
     import ringflash  # pylint: disable=g-import-not-at-top
     self.jax, self.jnp, self.np, self.oracle, self.rf = jax, jnp, np, oracle, ringflash
+    self.P = PartitionSpec
     self.backend = backend
 
   def inputs(self, c: Case, b_shape):
@@ -268,13 +276,26 @@ class _Checker:
       to = lambda x, axis: (x if c.layout == "contiguous" else
                             rf.to_layout(x, c.layout, c.ring_size, axis=axis))
       seg_u = None if aux["seg"] is None else to(user(aux["seg"]), nat)
-      out, lse = rf.ring_attention(
-          to(q, nat), to(k, nat), to(v, nat), mesh=mesh, axis_name=axis, is_causal=c.causal,
-          scale=c.scale, segment_ids=seg_u, return_residual=True, backend=self.backend,
-          layout=c.layout, local_window_size=c.window, bidirectional=c.bidirectional,
-          sinks=sinks, logits_soft_cap=c.softcap, strategy=c.strategy,
-          query_seq_lengths=None if aux["q_len"] is None else user(aux["q_len"]),
-          key_value_seq_lengths=None if aux["kv_len"] is None else user(aux["kv_len"]))
+      lengths = tuple(None if aux[n_] is None else user(aux[n_]) for n_ in ("q_len", "kv_len"))
+      options = dict(
+          axis_name=axis, is_causal=c.causal, scale=c.scale, return_residual=True,
+          backend=self.backend, layout=c.layout, local_window_size=c.window,
+          bidirectional=c.bidirectional, logits_soft_cap=c.softcap, strategy=c.strategy)
+
+      def call(q, k, v, seg, sinks, q_len, kv_len):
+        entry = getattr(rf, c.entry)
+        return entry(q, k, v, segment_ids=seg, sinks=sinks, query_seq_lengths=q_len,
+                     key_value_seq_lengths=kv_len, **options,
+                     **({"mesh": mesh} if c.entry == "ring_attention" else {}))
+
+      if c.entry == "ring_attention_sharded":    # the caller's shard_map, local shards
+        P = self.P
+        seq = P(*[None] * nat, axis)
+        call = jax.shard_map(
+            call, mesh=mesh, in_specs=(seq,) * 3 + (P() if seg_u is None else seq,) + (P(),) * 3,
+            out_specs=(seq, P(*[None] * (nat + 1), axis)),
+            check_vma=not (self.backend == "pallas_tpu" and jax.devices()[0].platform == "cpu"))
+      out, lse = call(to(q, nat), to(k, nat), to(v, nat), seg_u, sinks, *lengths)
       back = lambda x, axis: (x if c.layout == "contiguous" else
                               rf.from_layout(x, c.layout, c.ring_size, axis=axis))
       return back(out, nat), back(lse, lse.ndim - 1)

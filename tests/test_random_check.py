@@ -50,9 +50,10 @@ def test_cases_pass_on_xla(capsys):
                                   dataclasses.replace(API, poison="v", dtype="bfloat16",
                                                       poison_value=math.inf),
                                   HYBRID, DECODE, CACHE,
+                                  dataclasses.replace(API, entry="ring_attention_sharded"),
                                   dataclasses.replace(DECODE, poison="v", dtype="bfloat16")],
                          ids=["api", "hop", "k-nan", "v-inf-bf16", "hybrid-lse", "decode",
-                              "cache", "decode-v-nan-bf16"])
+                              "cache", "sharded", "decode-v-nan-bf16"])
 def test_a_right_case_passes(case):
   assert getattr(_checker(), case.kind)(case) == []
 
