@@ -46,6 +46,22 @@ def test_cases_pass_on_xla(capsys):
   assert "4 passed, 0 failed, 0 refused" in capsys.readouterr().out
 
 
+def test_only_ringflash_refuses_a_case(monkeypatch, capsys):
+  with pytest.raises(ValueError) as err:
+    ringflash.ring_attention(jnp.zeros((1, 8, 2, 8)), jnp.zeros((1, 8, 2, 4)),
+                             jnp.zeros((1, 8, 2, 8)), mesh=helpers.mesh_of(1))
+  assert random_check._raised_by_ringflash(err.value)  # pylint: disable=protected-access
+
+  def broken(self, case):
+    raise ValueError("an error of the checker itself")
+
+  for kind in ("api", "hop", "decode"):
+    monkeypatch.setattr(random_check._Checker, kind, broken)  # pylint: disable=protected-access
+  assert random_check.main(["--backend=xla", "--cases=2", "--seed=1"]) == 1
+  out = capsys.readouterr().out
+  assert "0 passed, 2 failed, 0 refused" in out and "raised ValueError: an error" in out, out
+
+
 @pytest.mark.parametrize("case", [API, HOP, dataclasses.replace(API, poison="k"),
                                   dataclasses.replace(API, poison="v", dtype="bfloat16",
                                                       poison_value=math.inf),
