@@ -631,6 +631,7 @@ def main(argv=None) -> int:
   devices = len(jax.devices())
   rng = random.Random(args.seed)
   counts = {"passed": 0, "failed": 0, "refused": 0}
+  kinds = {kind: dict(counts) for kind in ("api", "hop", "decode")}
   start = time.time()
   while ((args.cases is None or sum(counts.values()) < args.cases) and
          (args.seconds is None or time.time() - start < args.seconds)):
@@ -638,22 +639,26 @@ def main(argv=None) -> int:
     text = json.dumps(dataclasses.asdict(case))
     try:
       fails = getattr(checker, case.kind)(case)
+      outcome = "failed" if fails else "passed"
+      if fails:
+        print(f"FAILED {text} {'; '.join(fails)}", flush=True)
     except Exception as err:  # pylint: disable=broad-exception-caught
       why = f"{type(err).__name__}: {str(err)[:300]}"
       if isinstance(err, Refused) or (isinstance(err, (NotImplementedError, ValueError)) and
                                       _raised_by_ringflash(err)):
-        counts["refused"] += 1
+        outcome = "refused"
         print(f"REFUSED {text} {why}", flush=True)
       else:                     # not one of the library's own refusals: a failure
-        counts["failed"] += 1
+        outcome = "failed"
         print(f"FAILED {text} raised {why}", flush=True)
-      continue
-    counts["failed" if fails else "passed"] += 1
-    if fails:
-      print(f"FAILED {text} {'; '.join(fails)}", flush=True)
+    counts[outcome] += 1
+    kinds[case.kind][outcome] += 1
+  split = "; ".join(f"{kind} {n['passed']} / {n['failed']} / {n['refused']}"
+                    for kind, n in kinds.items())
   print(f"random_check backend={args.backend} seed={args.seed} size={size}: "
         f"{counts['passed']} passed, {counts['failed']} failed, {counts['refused']} refused "
-        f"in {time.time() - start:.0f} s", flush=True)
+        f"in {time.time() - start:.0f} s (passed / failed / refused by kind: {split})",
+        flush=True)
   return 1 if counts["failed"] else 0
 
 
