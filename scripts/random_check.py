@@ -62,8 +62,8 @@ and printed, not failed; any other exception is a failure.
   XLA_FLAGS=--xla_gpu_autotune_level=0 python3 scripts/random_check.py \
       --backend=pallas_gpu --size=large --seconds=300 --seed=1
 
-docs/GPU_NOTES.md, run 93, has the H200's results (of the scratch script this one was
-written from, with the same criteria and kinds of case).
+docs/GPU_NOTES.md has the H200's results: run 93 (the scratch script this one was written
+from), run 94 (this script).
 """
 
 from __future__ import annotations
@@ -487,7 +487,6 @@ class _Checker:
     fails += [compare(f"hop {n_}", *x, c.dtype)
               for n_, *x in zip(("dq", "dk", "dv"), got, want, plain)]
     return [f for f in fails if f]
-
 
   # ------------------------------------------------------------------------ decode cases
 
