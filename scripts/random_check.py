@@ -32,6 +32,10 @@ Three kinds of case:
   head dims, windows (also with a right side, which causality cuts), sinks, soft-caps,
   scales. Checked: out and lse against the oracle given the tokens at their positions.
 
+In half the hop cases, and in half the api cases of the ring strategy whose lengths divide
+by it, the kernels run on tiles smaller than the lengths they see (several tiles a hop):
+all four of the xla backend's sizes, pallas_tpu's query tiles (its key tiles are 128 or whole).
+
 In three fifths of the api and decode cases one entry of q, k or v (in decode cases: of the
 query or of a cache slot, also a free slot or one no row sees) is set to NaN, +Inf or -Inf
 (the non-finite rule of ringflash/kernels/base.py): the rows that see it must be
@@ -120,6 +124,7 @@ class Case:
   lse_grad: bool = False   # api: a cotangent on lse too, not only on out
   path: str = "-"          # decode: "slots", "positions" or "cache" (see decode())
   entry: str = "ring_attention"   # api: or "ring_attention_sharded" in a shard_map
+  tiles: tuple | None = None       # (block_q, block_k, backward's q, k): see block_sizes()
 
 
 def draw(rng: random.Random, devices: int, size: str) -> Case:
@@ -156,9 +161,21 @@ def draw(rng: random.Random, devices: int, size: str) -> Case:
     kh, g = min(kh, 2), min(g, 2)
   lead = rng.choice([(1,), (2,), (), (2, 1)]) if kind == "api" else (2,)
   short = max(4, t // 8)
+  bidirectional = strategy == "ring" and rng.random() < 0.3
+  # Tiles smaller than the lengths the kernels see (several tiles a hop), where those
+  # lengths are known here: a hop's; the ring's, one hop a device (a zigzag chunk or a
+  # bidirectional half when those split it), when the sequence divides by the ring.
+  unit = p * (2 if layout == "zigzag" or bidirectional else 1)
+  seen = ((t, s) if kind == "hop" else (t // unit, s // unit) if (
+      strategy == "ring" and axes == 1 and t % unit == 0 and s % unit == 0) else None)
+  tiles = None
+  if seen and rng.random() < 0.5:
+    pick = lambda n: rng.choice([d for d in (8, 16, 32, 64) if n % d == 0 and d < n] or [None])
+    tiles = (pick(seen[0]), pick(seen[1]), pick(seen[0]), pick(seen[1]))
+    tiles = tiles if any(tiles) else None
   return Case(
       kind=kind, ring_size=p, strategy=strategy, layout=layout,
-      bidirectional=strategy == "ring" and rng.random() < 0.3, h=h, hv=hv, t=t, s=s,
+      bidirectional=bidirectional, h=h, hv=hv, t=t, s=s,
       n=kh * g, kh=kh, lead=lead, dtype=_draw_dtype(rng, size), causal=causal,
       window=rng.choice([None, None, short, (2 * short, 0), (short // 2, 3 * short)]),
       segments=rng.random() < 0.3 and t == s,
@@ -172,7 +189,7 @@ def draw(rng: random.Random, devices: int, size: str) -> Case:
       lse_grad=kind == "api" and rng.random() < 0.3,
       entry="ring_attention_sharded" if (kind == "api" and rng.random() < 0.3 and
                                          t % (2 * p if layout == "zigzag" else p) == 0)
-      else "ring_attention")
+      else "ring_attention", tiles=tiles)
 
 
 def _draw_dtype(rng: random.Random, size: str) -> str:
@@ -254,6 +271,19 @@ class _Checker:
     self.P = PartitionSpec
     self.backend = backend
 
+  def block_sizes(self, c: Case):
+    """c.tiles as the backend's configuration: xla takes all four; pallas_tpu the query
+    tiles that are multiples of its sublanes (its key tiles are multiples of 128 or the whole
+    length, so its keys stay whole here); pallas_gpu its defaults (None)."""
+    if c.tiles is None or self.backend == "pallas_gpu":
+      return None
+    if self.backend == "xla":
+      return self.rf.XlaBlockSizes(*c.tiles)
+    sub = 16 if self.jnp.dtype(c.dtype).itemsize == 2 else 8
+    rows = lambda n: n if n is not None and n % sub == 0 else None
+    return self.rf.TpuBlockSizes(block_q=rows(c.tiles[0]), block_q_dkv=rows(c.tiles[2]),
+                                 block_q_dq=rows(c.tiles[2]))
+
   def inputs(self, c: Case, b_shape):
     jax, jnp = self.jax, self.jnp
     ks = jax.random.split(jax.random.key(c.seed), 5)
@@ -295,7 +325,8 @@ class _Checker:
       options = dict(
           axis_name=axis, is_causal=c.causal, scale=c.scale, return_residual=True,
           backend=self.backend, layout=c.layout, local_window_size=c.window,
-          bidirectional=c.bidirectional, logits_soft_cap=c.softcap, strategy=c.strategy)
+          bidirectional=c.bidirectional, logits_soft_cap=c.softcap, strategy=c.strategy,
+          block_sizes=self.block_sizes(c))
 
       def call(q, k, v, seg, sinks, q_len, kv_len):
         entry = getattr(rf, c.entry)
@@ -457,7 +488,8 @@ class _Checker:
     if why:
       raise Refused(f"NotImplementedError: {why}")
     spec = base.KernelSpec(scale=c.h ** -0.5 if c.scale is None else c.scale,
-                           causal=c.causal, tiles=module.resolve_tiles(None, problem),
+                           causal=c.causal,
+                           tiles=module.resolve_tiles(self.block_sizes(c), problem),
                            interpret=problem.interpret, window=window, softcap=c.softcap)
 
     def dense(upcast):

@@ -1,8 +1,8 @@
 """scripts/random_check.py: its cases pass on the xla backend, and it catches wrong results
 (a scaled output, a shifted key position, NaN reaching rows that do not see it, a row that
 saw NaN made finite, an lse without its gradient, a sink gradient off by a tenth, a decode
-without its sinks, a cache whose positions moved) that a backend could give; and only
-ringflash's own errors count as refusals."""
+without its sinks, a cache whose positions moved) that a backend could give; only
+ringflash's own errors count as refusals; drawn tiles reach the kernels."""
 
 from __future__ import annotations
 
@@ -68,9 +68,12 @@ def test_only_ringflash_refuses_a_case(monkeypatch, capsys):
                                                       poison_value=math.inf),
                                   HYBRID, DECODE, CACHE,
                                   dataclasses.replace(API, entry="ring_attention_sharded"),
-                                  dataclasses.replace(DECODE, poison="v", dtype="bfloat16")],
+                                  dataclasses.replace(DECODE, poison="v", dtype="bfloat16"),
+                                  dataclasses.replace(API, tiles=(4, 4, 4, 8)),
+                                  dataclasses.replace(HOP, tiles=(8, 32, 16, 64))],
                          ids=["api", "hop", "k-nan", "v-inf-bf16", "hybrid-lse", "decode",
-                              "cache", "sharded", "decode-v-nan-bf16"])
+                              "cache", "sharded", "decode-v-nan-bf16", "api-tiles",
+                              "hop-tiles"])
 def test_a_right_case_passes(case):
   assert getattr(_checker(), case.kind)(case) == []
 
@@ -162,3 +165,19 @@ def test_a_sink_gradient_off_by_a_tenth_fails(monkeypatch, dtype):
   monkeypatch.setattr(ringflash, "ring_attention", attend)
   fails = _checker().api(dataclasses.replace(API, dtype=dtype))
   assert fails and fails[0].startswith("dsinks: error"), fails
+
+
+@pytest.mark.parametrize("case", [dataclasses.replace(API, tiles=(4, 4, 4, 8)),
+                                  dataclasses.replace(HOP, tiles=(8, 32, 16, 64))],
+                         ids=["api", "hop"])
+def test_drawn_tiles_reach_the_kernels(monkeypatch, case):
+  seen = []
+  real = xla.forward
+
+  def forward(*args):
+    seen.append(args[-1].tiles)
+    return real(*args)
+
+  monkeypatch.setattr(xla, "forward", forward)
+  assert getattr(_checker(), case.kind)(case) == []
+  assert seen and all(t == ringflash.XlaBlockSizes(*case.tiles) for t in seen), seen
