@@ -256,6 +256,18 @@ def compare(name, got, want, plain, dtype, terms: float = 0.0) -> str | None:
   return None
 
 
+def _nonfinite_rows(what: str, out, seeing, must: bool) -> str | None:
+  """The non-finite rule on out [..., rows, heads, Hv] (None: kept): every row that sees the
+  poisoned entry non-finite where it must be, no row that does not see it non-finite."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  broken = np.any(~np.isfinite(out), axis=-1)
+  if must and not np.all(broken[seeing]):
+    return f"{what}{int(np.sum(~broken[seeing]))} rows that see it are finite"
+  if np.any(broken[~seeing]):
+    return f"{what}reached {int(np.sum(broken[~seeing]))} rows that do not see it"
+  return None
+
+
 class _Checker:
   """Runs cases on one backend (imports jax lazily: main() configures devices first)."""
 
@@ -431,12 +443,10 @@ class _Checker:
     (ro, rl), rg = run(dense(True), *qkv, keep)
     (po, _), pg = run(dense(False), *qkv, keep)
     o, ro, po = (np.asarray(x, np.float32) for x in (o, ro, po))
-    broken = np.any(~np.isfinite(o), axis=-1)
     what = f"{c.poison}={c.poison_value}"
-    if must and not np.all(broken[seeing]):
-      return [f"{what}: {int(np.sum(~broken[seeing]))} rows that see it are finite"]
-    if np.any(broken[~seeing]):
-      return [f"{what}: reached {int(np.sum(broken[~seeing]))} rows that do not see it"]
+    wrong = _nonfinite_rows(f"{what}: ", o, seeing, must)
+    if wrong:
+      return [wrong]
     fails = [compare(f"{what}: out", o[~seeing], ro[~seeing], po[~seeing], c.dtype)]
     fails += grads_close(f"{what}: ", g, rg, pg, ro, rl, np.asarray(keep))
     return [f for f in fails if f]
@@ -621,11 +631,9 @@ class _Checker:
     (ro, rl), (po, pl) = dense(True), dense(False)
     out, lse, ro, rl, po, pl = (np.asarray(x, np.float32) for x in (out, lse, ro, rl, po, pl))
     what = f"decode {c.poison}={c.poison_value}: " if c.poison else "decode "
-    broken = np.any(~np.isfinite(out), axis=-1)                         # [B, t, N]
-    if must and not np.all(broken[seeing]):
-      return [f"{what}{int(np.sum(~broken[seeing]))} rows that see it are finite"]
-    if np.any(broken[~seeing]):
-      return [f"{what}reached {int(np.sum(broken[~seeing]))} rows that do not see it"]
+    wrong = _nonfinite_rows(what, out, seeing, must)
+    if wrong:
+      return [wrong]
     ok = np.moveaxis(~seeing, -1, -2)                                   # [B, N, t]
     finite = np.isfinite(rl)
     if not np.array_equal(np.isfinite(lse)[ok], finite[ok]):
