@@ -105,6 +105,26 @@ def layout_positions(layout: str, ring_size: int, length: int,
   return pos.reshape(ring_size, length // ring_size)
 
 
+def layout_order(layout: str, ring_size: int, length: int) -> np.ndarray:
+  """[length] int32: the natural position of each row of a layout-ordered sequence of
+  `length` tokens, for any length.
+
+  A length that fits the layout on the ring (a multiple of P, of 2P for zigzag) gives
+  layout_positions flattened. Any other is laid out as the smallest length that fits, its
+  positions at or past `length` left out: zigzag, P = 2, 7 tokens (as 8: 0 1 6 7 | 2 3 4 5)
+  gives 0 1 6 2 3 4 5. ring_attention pads such a sequence inside (the left-out rows become
+  padding keys and rows) and returns the output in this order.
+
+  Raises:
+    ValueError: unknown layout, or a ring_size that is not a positive int.
+  """
+  check_layout(layout, ring_size, 0)
+  parts = 2 * ring_size if layout == "zigzag" else ring_size
+  full = -(-length // parts) * parts
+  pos = layout_positions(layout, ring_size, full).reshape(-1)
+  return pos[pos < length] if full != length else pos
+
+
 def natural_order(layout: str, ring_size: int, length: int) -> tuple[np.ndarray, np.ndarray]:
   """The rows of a layout-ordered sequence of `length` tokens in natural order, and back.
 

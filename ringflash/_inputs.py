@@ -6,8 +6,11 @@ strategies take one canonical form: [B, T, N, H] with T divisible as the layout 
 masks as positions plus segment ids. This module maps one onto the other:
 
 - leading dims are flattened into B (none: B = 1) and restored at the end;
-- a contiguous sequence that does not divide by the ring is padded at its end (each device's
-  share rounded up, _validate.prepare) and the output trimmed;
+- a sequence that does not fit the layout on the ring, or the backend's tiles, is padded
+  (each device's share rounded up, _validate.local_lengths) and the output trimmed: a
+  contiguous one at its end; a zigzag or striped one by a gather (padded_rows) into the
+  layout of the padded length, whose positions past the user's length are the padding, and
+  the output gathered back into the user's order (ringflash.to_layout's for that length);
 - lengths and padding become segment ids: a query row at or past its length gets the id
   PAD_Q and a key at or past it PAD_K; no real id equals either, so such a key is never seen
   and such a row sees nothing (output 0, lse -inf). Example, T = 6, length 4, no segment ids:
@@ -30,6 +33,7 @@ import numpy as np
 
 from ringflash import _validate
 from ringflash.kernels import base
+from ringflash.parallel import plan
 
 PAD_Q = np.iinfo(np.int32).max
 PAD_K = np.iinfo(np.int32).min
@@ -49,8 +53,31 @@ def _pad(x, length: int, axis: int = 1):
   return jnp.pad(x, widths)
 
 
+def padded_rows(layout: str, ring_size: int, length: int, positions):
+  """Where the rows of a layout-ordered sequence of `length` tokens go when it is padded.
+
+  positions: [L] the natural position of each row the strategy runs (the layout of the
+  padded length L, positions >= length padding). Returns (rows [L], back [length]), int32:
+  x.take(rows, mode="fill") is the padded sequence (rows == length for padding: the fill),
+  and padded.take(back) the user's rows again, in ringflash.to_layout's order for `length`
+  (parallel.plan.layout_order).
+  """
+  user = plan.layout_order(layout, ring_size, length)
+  row_of = np.argsort(user)                    # row_of[t]: the user's row holding position t
+  rows = np.where(positions < length, row_of[np.minimum(positions, length - 1)], length)
+  back = np.argsort(positions)[user]
+  return rows.astype(np.int32), back.astype(np.int32)
+
+
+def _fit(x, length: int, rows, axis: int = 1):
+  """x padded at its end to `length` along `axis`, or its rows gathered by `rows` (fill 0)."""
+  if rows is None:
+    return _pad(x, length, axis)
+  return jnp.take(x, jnp.asarray(rows), axis=axis, mode="fill", fill_value=0)
+
+
 def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, kv_lengths, *,
-              t_len: int, s_len: int, q_pos=None, k_pos=None):
+              t_len: int, s_len: int, q_pos=None, k_pos=None, q_rows=None, k_rows=None):
   """(q [B, T', N, H], k [B, S', K, H], v [B, S', K, Hv], q_seg [B, T'] | None,
   kv_seg [B, S'] | None) of a checked call.
 
@@ -58,11 +85,13 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
   sequence to them (rows at natural positions >= call.t, call.s are padding);
   ring_attention_sharded passes its local lengths. q_pos [T'], k_pos [S']: the natural
   positions of the rows (the layout's; per device under ring_attention_sharded); default
-  0..T'-1 and 0..S'-1.
+  0..T'-1 and 0..S'-1. q_rows [T'], k_rows [S']: padded_rows' gathers, where a zigzag or
+  striped sequence is padded (None: padding at the end, or none).
   """
   lead = call.lead
-  q, k, v = (_pad(_rows(x, lead), n) for x, n in ((query, t_len), (key, s_len),
-                                                  (value, s_len)))
+  q, k, v = (_fit(_rows(x, lead), n, r) for x, n, r in ((query, t_len, q_rows),
+                                                         (key, s_len, k_rows),
+                                                         (value, s_len, k_rows)))
   padded = t_len > call.t or s_len > call.s
   if not (call.masked_by_ids or padded):
     return q, k, v, None, None
@@ -70,8 +99,8 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
   if call.segments:
     q_ids, kv_ids = (segment_ids if isinstance(segment_ids, (tuple, list))
                      else (segment_ids, segment_ids))
-    q_ids = _pad(_rows(jnp.asarray(q_ids, jnp.int32), lead), t_len)
-    kv_ids = _pad(_rows(jnp.asarray(kv_ids, jnp.int32), lead), s_len)
+    q_ids = _fit(_rows(jnp.asarray(q_ids, jnp.int32), lead), t_len, q_rows)
+    kv_ids = _fit(_rows(jnp.asarray(kv_ids, jnp.int32), lead), s_len, k_rows)
   else:
     q_ids = jnp.zeros((b, t_len), jnp.int32)
     kv_ids = jnp.zeros((b, s_len), jnp.int32)
@@ -155,12 +184,16 @@ def _sink_rescale_bwd(res, cts):
 _sink_rescale.defvjp(_sink_rescale_fwd, _sink_rescale_bwd)
 
 
-def finish(call: _validate.Call, out, lse, sinks):
+def finish(call: _validate.Call, out, lse, sinks, rows=None):
   """The strategy's (out [B, T', N, Hv], lse [B, N, T']) in the user's shapes: sinks added,
-  padding trimmed, leading dims restored; (out, lse) or out alone as return_residual says."""
+  padding trimmed (rows: padded_rows' `back`, where a zigzag or striped sequence was padded),
+  leading dims restored; (out, lse) or out alone as return_residual says."""
   if sinks is not None:
     out, lse = add_sinks(out, lse, sinks)
-  out, lse = out[:, :call.t], lse[:, :, :call.t]
+  if rows is None:
+    out, lse = out[:, :call.t], lse[:, :, :call.t]
+  else:
+    out, lse = (jnp.take(x, jnp.asarray(rows), axis=a) for x, a in ((out, 1), (lse, 2)))
   out = out.reshape(call.lead + out.shape[1:])
   lse = lse.reshape(call.lead + lse.shape[1:])
   return (out, lse) if call.return_residual else out

@@ -123,8 +123,9 @@ def check_call(query, key, value, *, segment_ids=None, scale=None, backend="auto
     sinks: None or a [N] float array.
     query_seq_lengths, key_value_seq_lengths: None or [...] int arrays (the leading dims).
     strategy: one of STRATEGIES.
-    pads: the caller pads a contiguous sequence that does not divide by the ring size
-      (ring_attention does; ring_attention_sharded takes shards as they are).
+    pads: the caller pads a sequence that does not fit the layout on the ring (a length
+      not divisible by the ring size, by twice it for zigzag): ring_attention does;
+      ring_attention_sharded takes shards as they are.
 
   Raises:
     ValueError: naming the argument, with expected vs got.
@@ -182,15 +183,15 @@ def check_call(query, key, value, *, segment_ids=None, scale=None, backend="auto
 
   scale_t = ring_size if local else 1        # local lengths -> global lengths
   for name, length in (("query", t), ("key", s)):
-    if pads and layout == "contiguous":
-      layouts.check_layout(layout, 1, length)
+    if pads:
+      layouts.check_layout(layout, 1, 0)
       continue
     layouts.check_layout(layout, ring_size, length * scale_t,
                          length_name=f"{name} sequence length" + (
                              f" ({length} per device)" if local else ""))
   window = check_window(local_window_size, t * scale_t, s * scale_t)
   local_s = s if local else -(-s // ring_size)
-  if (bidirectional and ring_size > 1 and local_s % 2 and not (pads and layout == "contiguous")
+  if (bidirectional and ring_size > 1 and local_s % 2 and not pads
       and strategy not in strategies.WITHOUT_RING):     # refused in prepare: no ring
     raise ValueError(f"bidirectional=True splits each device's keys in two halves; the local "
                      f"key length must be even, got {local_s}")
@@ -334,6 +335,33 @@ def resolve_backend(backend: str, problem: base.Problem) -> str:
   raise NotImplementedError("no backend runs this call: " + "; ".join(reasons))
 
 
+def local_lengths(call: Call, ring_size: int, kernel, local: bool):
+  """The (query, key) lengths per device to try for `kernel`, in order.
+
+  ring_attention_sharded (local) runs the shards as given. ring_attention pads a sequence
+  at its end where its length does not fit the layout on the ring or the backend's
+  kernels: the contiguous layout always rounds each device's share up to the backend's
+  LENGTH_MULTIPLE (the smallest local length its kernels tile); zigzag and striped try the
+  even split first, where there is one, and then the padded one (a zigzag chunk, half a
+  device's share, a multiple of LENGTH_MULTIPLE), so that "auto" keeps the native kernel
+  where padding lets it run.
+  """
+  if local:
+    return [(call.t, call.s)]
+  multiple = getattr(kernel, "LENGTH_MULTIPLE", 1)
+  if call.layout == "zigzag":
+    multiple *= 2
+  if call.bidirectional and ring_size > 1:
+    multiple = math.lcm(multiple, 2)
+  padded = (padded_local(call.t, ring_size, multiple),
+            padded_local(call.s, ring_size, multiple))
+  parts = 2 * ring_size if call.layout == "zigzag" else ring_size
+  if call.layout == "contiguous" or call.t % parts or call.s % parts:
+    return [padded]
+  even = (call.t // ring_size, call.s // ring_size)
+  return [even] if even == padded else [even, padded]
+
+
 def padded_local(length: int, ring_size: int, multiple: int) -> int:
   """The per-device length a contiguous sequence of `length` tokens is padded to: the
   smallest multiple of `multiple` with ring_size of them covering it."""
@@ -431,12 +459,8 @@ def _strategy_spec(strategy: str, kernel_spec: base.KernelSpec, backend: str, ca
 def prepare(call: Call, *, block_sizes, axes: SeqAxes, local: bool, platform: str,
             device, strategy: str | None = None) -> Prepared:
   """Resolves the strategy, the backend (the fastest that runs the call, or the named one),
-  its tiles, the padding of a contiguous sequence and the strategy's static spec, once.
-
-  With ring_attention (not local) and the contiguous layout, a length that does not divide
-  by the devices is padded: each device's share is rounded up to the backend's
-  LENGTH_MULTIPLE (the smallest local length its kernels tile), so that "auto" keeps the
-  native kernel where padding lets it run.
+  its tiles, the padding of the sequence (local_lengths) and the strategy's static spec,
+  once.
 
   Args:
     strategy: the strategy to run (a name); None: the call's (resolved by `choose` for
@@ -459,31 +483,22 @@ def prepare(call: Call, *, block_sizes, axes: SeqAxes, local: bool, platform: st
   reasons = []
   for name in candidates(call.backend, platform, cc, device_kind):
     kernel = get_backend(name)
-    if local:
-      t_local, s_local = call.t, call.s
-    elif call.layout == "contiguous":
-      multiple = getattr(kernel, "LENGTH_MULTIPLE", 1)
-      if call.bidirectional and p > 1:
-        multiple = math.lcm(multiple, 2)
-      t_local = padded_local(call.t, p, multiple)
-      s_local = padded_local(call.s, p, multiple)
-    else:
-      t_local, s_local = call.t // p, call.s // p
-    (q_unit, kv_unit), kv_heads, group = strategy_problem(strategy, call, axes, t_local,
-                                                          s_local)
-    padded = not local and (t_local * p != call.t or s_local * p != call.s)
-    problem = base.Problem(
-        q_len=q_unit, kv_len=kv_unit, head_dim=call.h, kv_heads=kv_heads, group=group,
-        dtype=call.dtype, platform=platform, device_kind=device_kind, compute_capability=cc,
-        causal=call.is_causal, window=call.window, segments=call.masked_by_ids or padded,
-        head_dim_v=call.hv, softcap=call.softcap)
-    reason = kernel.unsupported(problem)
-    if reason is not None:
-      reasons.append(reason)
-      continue
-    kernel_spec = resolve_spec(kernel, problem, scale=call.scale, block_sizes=block_sizes)
-    return Prepared(spec=_strategy_spec(strategy, kernel_spec, name, call, axes),
-                    t_local=t_local, s_local=s_local)
+    reason = None
+    for t_local, s_local in local_lengths(call, p, kernel, local):
+      (q_unit, kv_unit), kv_heads, group = strategy_problem(strategy, call, axes, t_local,
+                                                            s_local)
+      padded = not local and (t_local * p != call.t or s_local * p != call.s)
+      problem = base.Problem(
+          q_len=q_unit, kv_len=kv_unit, head_dim=call.h, kv_heads=kv_heads, group=group,
+          dtype=call.dtype, platform=platform, device_kind=device_kind,
+          compute_capability=cc, causal=call.is_causal, window=call.window,
+          segments=call.masked_by_ids or padded, head_dim_v=call.hv, softcap=call.softcap)
+      reason = kernel.unsupported(problem)
+      if reason is None:
+        kernel_spec = resolve_spec(kernel, problem, scale=call.scale, block_sizes=block_sizes)
+        return Prepared(spec=_strategy_spec(strategy, kernel_spec, name, call, axes),
+                        t_local=t_local, s_local=s_local)
+    reasons.append(reason)
   if call.backend != "auto":
     raise NotImplementedError(reasons[0])
   raise NotImplementedError("no backend runs this call: " + "; ".join(reasons))

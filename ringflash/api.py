@@ -78,8 +78,10 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
       "ulysses" (all-to-all sequence <-> heads, needs N divisible by the devices) or
       "hybrid" (Ulysses over the last axis of a tuple axis_name, the ring over the others).
 
-  A contiguous sequence whose length does not divide by the ring size is padded inside
-  (keys past the length masked, output trimmed).
+  A sequence whose length does not fit the layout on the ring (not divisible by the ring
+  size, by twice it for zigzag) is padded inside (the padding masked as keys past the
+  length, trimmed from the output): in the zigzag and striped layouts the arrays are in the
+  order ringflash.to_layout gives for their length, and so is the output.
 
   Returns:
     out [..., T, N, Hv] in query's dtype, sequence-sharded over `axis_name`; with
@@ -222,13 +224,17 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
   prepared = _validate.prepare(call, block_sizes=options.block_sizes, axes=axes, local=False,
                                platform=device.platform, device=device)
   t_len, s_len = prepared.t_local * ring_size, prepared.s_local * ring_size
-  q_pos = k_pos = None
+  q_pos = k_pos = q_rows = k_rows = out_rows = None
   if call.layout != "contiguous":       # rows in layout order: their natural positions
     q_pos = layout_positions(call.layout, ring_size, t_len).reshape(-1)
     k_pos = layout_positions(call.layout, ring_size, s_len).reshape(-1)
+    if t_len != call.t:
+      q_rows, out_rows = _inputs.padded_rows(call.layout, ring_size, call.t, q_pos)
+    if s_len != call.s:
+      k_rows, _ = _inputs.padded_rows(call.layout, ring_size, call.s, k_pos)
   q, k, v, q_seg, kv_seg = _inputs.canonical(
       call, query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths,
-      t_len=t_len, s_len=s_len, q_pos=q_pos, k_pos=k_pos)
+      t_len=t_len, s_len=s_len, q_pos=q_pos, k_pos=k_pos, q_rows=q_rows, k_rows=k_rows)
   _mesh.check_divisible(q, k, mesh, batch, heads)
 
   x_spec = P(batch, axis_name, heads, None)
@@ -254,7 +260,7 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
     # cannot stay split along it (on Explicit axes the slice would be refused).
     out = _mesh.place(out, mesh, P(batch, None, heads, None))
     lse = _mesh.place(lse, mesh, P(batch, heads, None))
-  return _inputs.finish(call, out, lse, sinks)
+  return _inputs.finish(call, out, lse, sinks, rows=out_rows)
 
 
 def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool = False,

@@ -29,15 +29,20 @@ import numpy as np
 
 from ringflash.parallel.plan import LAYOUTS as LAYOUTS
 from ringflash.parallel.plan import check_layout as check_layout
+from ringflash.parallel.plan import layout_order
 from ringflash.parallel.plan import layout_positions as layout_positions
 
 
 def to_layout(x, layout: str, ring_size: int, axis: int = 1):
   """Permutes a natural-order array into `layout` on a ring of `ring_size` devices.
 
-  The result, split into P equal slices along `axis`, gives device i its positions: slice i
-  is x at layout_positions(layout, P, n)[i]. zigzag, P = 2, n = 8: natural 0..7 becomes
-  0 1 6 7 | 2 3 4 5.
+  When the length n fits the layout (a multiple of P, of 2P for zigzag), the result split
+  into P equal slices along `axis` gives device i its positions: slice i is x at
+  layout_positions(layout, P, n)[i]. zigzag, P = 2, n = 8: natural 0..7 becomes
+  0 1 6 7 | 2 3 4 5. Any other length is ordered as the smallest length that fits, with the
+  positions past n left out (zigzag, P = 2, n = 7: 0 1 6 2 3 4 5); ring_attention takes
+  such a sequence as it is and pads it inside. to_layout(np.arange(n), layout, P, axis=0)
+  gives the positions of the rows (for position embeddings).
 
   Args:
     x: array (jax or NumPy) with the sequence along `axis`: q/k/v [B, T, N, H], segment ids
@@ -50,14 +55,15 @@ def to_layout(x, layout: str, ring_size: int, axis: int = 1):
     An array of x's shape and type, permuted along `axis`.
 
   Raises:
-    ValueError: unknown layout, or x.shape[axis] not divisible by P (2P for zigzag).
+    ValueError: unknown layout, a ring_size that is not a positive int, or an axis out of
+      range.
   """
-  order = layout_positions(layout, ring_size, _axis_len(x, axis)).reshape(-1)
+  order = layout_order(layout, ring_size, _axis_len(x, axis))
   return _take(x, order, axis, layout)
 
 
 def from_layout(y, layout: str, ring_size: int, axis: int = 1):
-  """Inverse of to_layout: from_layout(to_layout(x, L, P), L, P) == x.
+  """Inverse of to_layout: from_layout(to_layout(x, L, P), L, P) == x, for any length.
 
   Args:
     y: array in `layout` order along `axis` (e.g. ring_attention's output [B, T, N, H]).
@@ -69,7 +75,7 @@ def from_layout(y, layout: str, ring_size: int, axis: int = 1):
   Raises:
     ValueError: as to_layout.
   """
-  order = layout_positions(layout, ring_size, _axis_len(y, axis)).reshape(-1)
+  order = layout_order(layout, ring_size, _axis_len(y, axis))
   # order[r] is the natural position of layout row r, so the row holding position t is
   # argsort(order)[t].
   return _take(y, np.argsort(order), axis, layout)

@@ -16,9 +16,9 @@ Three kinds of case:
   or striped (inputs permuted with to_layout, results restored with from_layout); no, one or
   two leading batch dims; GQA / MQA; value head dim unlike the query's; causal, windows,
   segment ids, per-row sequence lengths, sinks, soft-caps (queries scaled so that scores
-  pass the cap), other scales, sequence lengths that do not divide by P. Checked: out, lse
-  (and which rows are -inf), and the gradients of q, k, v and sinks, from a cotangent on
-  out and, in three tenths of the cases, on lse as well.
+  pass the cap), other scales, sequence lengths that do not divide by P (in any layout).
+  Checked: out, lse (and which rows are -inf), and the gradients of q, k, v and sinks, from
+  a cotangent on out and, in three tenths of the cases, on lse as well.
 - "hop": the backend's forward and backward kernels alone (the kernel contract of
   ringflash/kernels/base.py), as one ring hop: key positions offset from the queries' (keys
   partly after, entirely after or before them, positions near 2^31, query positions
@@ -151,7 +151,7 @@ def draw(rng: random.Random, devices: int, size: str) -> Case:
   elif size == "small":
     unit = 2 * p if layout == "zigzag" else p
     t = rng.choice(_LENGTHS[size]) * unit
-    if layout == "contiguous" and p > 1:
+    if p > 1:                  # lengths that do not fit the layout: padded inside
       t += rng.choice([0, 0, 3])
     s = t
   else:

@@ -118,20 +118,30 @@ def test_a_length_past_the_smem_limit_of_per_tile_flags_fits():
   assert total < 95 * 2**30, total
 
 
-def test_a_local_length_the_kernels_cannot_tile_is_refused_before_mosaic():
+def test_a_local_length_the_kernels_cannot_tile_is_padded_or_refused_before_mosaic():
   """1000 tokens striped over 8 chips: 125 per chip reached Mosaic once and died there
-  ("Invalid vector register cast"); now the named backend refuses it with the reason."""
+  ("Invalid vector register cast"). ring_attention now pads each chip's share to 128 (the
+  backend's LENGTH_MULTIPLE), which the kernels tile; ring_attention_sharded, which takes
+  shards as they are, refuses 125 with the reason before Mosaic sees it."""
   mesh = _mesh("v5p:2x2x2")
   sharding = NamedSharding(mesh, P(None, "sp", None, None))
   args = [jax.ShapeDtypeStruct((1, 1000, h, H), jnp.bfloat16, sharding=sharding)
           for h in (N, K, K)]
+  options = dict(is_causal=True, layout="striped", backend="pallas_tpu", strategy="ring")
 
   def attn(q, k, v):
-    return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=True, layout="striped",
-                                    backend="pallas_tpu", strategy="ring")
+    return ringflash.ring_attention(q, k, v, mesh=mesh, **options)
 
+  compiled = jax.jit(attn).lower(*args).compile()
+  assert "ringflash_fwd" in _kernels(compiled.as_text())
+  assert compiled.out_info.shape == (1, 1000, N, H)
+
+  sharded = jax.shard_map(
+      lambda q, k, v: ringflash.ring_attention_sharded(q, k, v, axis_name="sp", **options),
+      mesh=mesh, in_specs=(P(None, "sp", None, None),) * 3,
+      out_specs=P(None, "sp", None, None))
   with pytest.raises(NotImplementedError, match="multiples of 8"):
-    jax.jit(attn).lower(*args)
+    jax.jit(sharded).lower(*args)
 
 
 @functools.lru_cache(maxsize=None)

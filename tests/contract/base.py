@@ -87,8 +87,8 @@ KERNEL_CASES = [
 class VocabCase:
   """A call with the vocabulary of real models: sinks, soft-cap, head dims, value head dims,
   sequence lengths, batch dims, lengths that do not divide by the ring. Lengths as RingCase;
-  `trim` tokens are cut from the end of a contiguous sequence (uneven lengths); `lead` are
-  the batch dims (() for none)."""
+  `trim` tokens are cut from the end of the natural sequence (uneven lengths, in any
+  layout); `lead` are the batch dims (() for none)."""
 
   name: str
   ring_size: int
@@ -128,6 +128,9 @@ VOCAB_CASES = [
     VocabCase("no-batch-dim-P2", 2, lead=()),
     VocabCase("everything-P4", 4, sinks=True, softcap=2.5, head_dim_v=48, lengths=True,
               window=(24, 4), segments=True, bidirectional=True, trim=3),
+    # a zigzag sequence of 4 UNIT - 5 tokens: not divisible by 2P, padded inside
+    VocabCase("zigzag-uneven-sinks-seg-P4", 4, layout="zigzag", trim=5, sinks=True,
+              segments=True, lead=(1,)),
 ]
 
 SLOW_VOCAB_CASES = [
@@ -139,6 +142,8 @@ SLOW_VOCAB_CASES = [
     # scores spread beyond the cap (Gemma 2's 50): tanh saturated, rows' scores far apart
     VocabCase("softcap-50-wide-scores-seg-P4", 4, softcap=50.0, gain=40.0, segments=True,
               lead=(1,)),
+    VocabCase("striped-uneven-bidi-softcap-lengths-P8", 8, layout="striped", trim=3,
+              bidirectional=True, softcap=2.0, lengths=True, window=(40, 0), kv_heads=1),
 ]
 
 SLOW_RING_CASES = [

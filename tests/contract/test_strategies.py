@@ -27,7 +27,8 @@ STRATEGY_RING_CASES = [c for c in base.RING_CASES if c.name in (
     "gqa-causal-seg-P8", "mqa-seg-P4", "cross-causal-T<S-P4", "zigzag-causal-P8",
     "striped-causal-seg-P4", "window-spanning-seg-P8", "low-precision-gqa-causal-P4")]
 STRATEGY_VOCAB_CASES = [c for c in base.VOCAB_CASES if c.name in (
-    "sinks-softcap-window-zigzag-P4", "uneven-seg-P8", "batch-dims-2x2-P2")]
+    "sinks-softcap-window-zigzag-P4", "uneven-seg-P8", "batch-dims-2x2-P2",
+    "zigzag-uneven-sinks-seg-P4")]
 SLOW_STRATEGY_VOCAB_CASES = [c for c in base.VOCAB_CASES if c.name in (
     "mla-192-128-P2", "everything-P4", "lengths-P4")]
 
