@@ -69,11 +69,43 @@ def padded_rows(layout: str, ring_size: int, length: int, positions):
   return rows.astype(np.int32), back.astype(np.int32)
 
 
+def _take(x, rows, axis: int):
+  return jnp.take(x, jnp.asarray(rows), axis=axis, mode="fill", fill_value=0)
+
+
+def regather(x, rows, back, axis: int = 1):
+  """x.take(rows, axis) with 0 where rows is out of range, for `rows` that take each row of
+  x once (padded_rows' gathers, either way round: rows / back into the padded sequence,
+  back / rows out of it); `back` takes them back: back[r] is where row r of x went.
+
+  Its derivative is that gather back (a row's cotangent is the one of the slot it went to)
+  rather than JAX's transpose of a gather, a scatter-add, which costs as much as a quarter
+  of the attention's own backward on the H200 at T = 16k. Integer arrays (segment ids) take
+  the plain gather.
+  """
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    return _take(x, rows, axis)
+
+  @jax.custom_vjp
+  def gather(x):
+    return _take(x, rows, axis)
+
+  def forward(x):
+    return _take(x, rows, axis), None
+
+  def backward(_, g):
+    return (_take(g, back, axis),)
+
+  gather.defvjp(forward, backward)
+  return gather(x)
+
+
 def _fit(x, length: int, rows, axis: int = 1):
-  """x padded at its end to `length` along `axis`, or its rows gathered by `rows` (fill 0)."""
+  """x padded at its end to `length` along `axis`, or its rows gathered by `rows` = (rows,
+  back) of padded_rows (fill 0)."""
   if rows is None:
     return _pad(x, length, axis)
-  return jnp.take(x, jnp.asarray(rows), axis=axis, mode="fill", fill_value=0)
+  return regather(x, *rows, axis=axis)
 
 
 def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, kv_lengths, *,
@@ -85,7 +117,7 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
   sequence to them (rows at natural positions >= call.t, call.s are padding);
   ring_attention_sharded passes its local lengths. q_pos [T'], k_pos [S']: the natural
   positions of the rows (the layout's; per device under ring_attention_sharded); default
-  0..T'-1 and 0..S'-1. q_rows [T'], k_rows [S']: padded_rows' gathers, where a zigzag or
+  0..T'-1 and 0..S'-1. q_rows, k_rows: padded_rows' (rows, back) pairs, where a zigzag or
   striped sequence is padded (None: padding at the end, or none).
   """
   lead = call.lead
@@ -186,14 +218,16 @@ _sink_rescale.defvjp(_sink_rescale_fwd, _sink_rescale_bwd)
 
 def finish(call: _validate.Call, out, lse, sinks, rows=None):
   """The strategy's (out [B, T', N, Hv], lse [B, N, T']) in the user's shapes: sinks added,
-  padding trimmed (rows: padded_rows' `back`, where a zigzag or striped sequence was padded),
-  leading dims restored; (out, lse) or out alone as return_residual says."""
+  padding trimmed (rows: padded_rows' (rows, back) of the queries, where a zigzag or striped
+  sequence was padded), leading dims restored; (out, lse) or out alone as return_residual
+  says."""
   if sinks is not None:
     out, lse = add_sinks(out, lse, sinks)
   if rows is None:
     out, lse = out[:, :call.t], lse[:, :, :call.t]
   else:
-    out, lse = (jnp.take(x, jnp.asarray(rows), axis=a) for x, a in ((out, 1), (lse, 2)))
+    taken, back = rows
+    out, lse = (regather(x, back, taken, axis=a) for x, a in ((out, 1), (lse, 2)))
   out = out.reshape(call.lead + out.shape[1:])
   lse = lse.reshape(call.lead + lse.shape[1:])
   return (out, lse) if call.return_residual else out

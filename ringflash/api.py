@@ -224,14 +224,14 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
   prepared = _validate.prepare(call, block_sizes=options.block_sizes, axes=axes, local=False,
                                platform=device.platform, device=device)
   t_len, s_len = prepared.t_local * ring_size, prepared.s_local * ring_size
-  q_pos = k_pos = q_rows = k_rows = out_rows = None
+  q_pos = k_pos = q_rows = k_rows = None
   if call.layout != "contiguous":       # rows in layout order: their natural positions
     q_pos = layout_positions(call.layout, ring_size, t_len).reshape(-1)
     k_pos = layout_positions(call.layout, ring_size, s_len).reshape(-1)
     if t_len != call.t:
-      q_rows, out_rows = _inputs.padded_rows(call.layout, ring_size, call.t, q_pos)
+      q_rows = _inputs.padded_rows(call.layout, ring_size, call.t, q_pos)
     if s_len != call.s:
-      k_rows, _ = _inputs.padded_rows(call.layout, ring_size, call.s, k_pos)
+      k_rows = _inputs.padded_rows(call.layout, ring_size, call.s, k_pos)
   q, k, v, q_seg, kv_seg = _inputs.canonical(
       call, query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths,
       t_len=t_len, s_len=s_len, q_pos=q_pos, k_pos=k_pos, q_rows=q_rows, k_rows=k_rows)
@@ -260,7 +260,7 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
     # cannot stay split along it (on Explicit axes the slice would be refused).
     out = _mesh.place(out, mesh, P(batch, None, heads, None))
     lse = _mesh.place(lse, mesh, P(batch, heads, None))
-  return _inputs.finish(call, out, lse, sinks, rows=out_rows)
+  return _inputs.finish(call, out, lse, sinks, rows=q_rows)
 
 
 def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool = False,

@@ -250,6 +250,31 @@ def test_uneven_round_trip(layout, ring_size):
                                     ring_plan.layout_positions(layout, ring_size, n))
 
 
+@pytest.mark.parametrize("layout,ring_size,length,padded", [
+    ("zigzag", 4, 36, 40), ("zigzag", 2, 7, 16), ("striped", 4, 37, 64)])
+def test_padding_gathers_and_their_derivatives(layout, ring_size, length, padded):
+  """padded_rows' gathers put each row of the user's sequence in the slot of its position in
+  the padded layout (padding 0) and back; their derivatives, gathers written out, equal JAX's
+  transposes of the same gathers (scatter-adds)."""
+  from ringflash import _inputs  # pylint: disable=g-import-not-at-top
+  positions = ring_plan.layout_positions(layout, ring_size, padded).reshape(-1)
+  rows, back = _inputs.padded_rows(layout, ring_size, length, positions)
+  user = ringflash.to_layout(np.arange(length), layout, ring_size, axis=0)
+  x = jax.random.normal(jax.random.key(length), (2, length, 3))
+  y = _inputs.regather(x, rows, back)
+  np.testing.assert_array_equal(
+      np.asarray(y)[:, positions < length],
+      np.asarray(x)[:, np.argsort(user)[positions[positions < length]]])
+  assert np.all(np.asarray(y)[:, positions >= length] == 0)
+  np.testing.assert_array_equal(_inputs.regather(y, back, rows), x)
+  for fn, arg, idx in ((lambda a: _inputs.regather(a, rows, back), x, rows),
+                       (lambda a: _inputs.regather(a, back, rows), y, back)):
+    g = jax.random.normal(jax.random.key(1), fn(arg).shape)
+    plain = lambda a, idx=idx: jnp.take(a, jnp.asarray(idx), axis=1, mode="fill",  # noqa
+                                        fill_value=0)
+    np.testing.assert_array_equal(jax.vjp(fn, arg)[1](g)[0], jax.vjp(plain, arg)[1](g)[0])
+
+
 @pytest.mark.parametrize("kw", [dict(layout="zigzag", t=36, is_causal=True),
                                 dict(layout="striped", t=37, bidirectional=True,
                                      local_window_size=(9, 3)),
