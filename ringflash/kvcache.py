@@ -4,7 +4,8 @@ Slots, not positions, are what the devices hold. Every row fills its slots in on
 same for all rows: slot counter n (the n-th slot a row fills) is local slot n // P of device
 n mod P, so every device holds the same number of a row's slots, to within one. A prefill of
 T tokens, sharded as the ring computed them, fills local slots 0 .. T/P - 1 of every device
-where it lies: no data moves. Example, P = 4 devices, max_len 32 (8 slots each), prefill of
+where it lies: no data moves (a T that does not fit the layout is padded first, as
+ring_attention pads it, its padding's slots left free). Example, P = 4 devices, max_len 32 (8 slots each), prefill of
 T = 8 tokens (contiguous layout): device 1 holds positions 2, 3 in slots 0, 1; used = 8. The
 appended tokens 8, 9, 10, 11, 12 go to devices 0, 1, 2, 3, 0, local slots 2, 2, 2, 2, 3. Device
 1 then holds 2 3 9 and device 0 holds 0 1 8 12.
@@ -31,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ringflash import _inputs
 from ringflash import _mesh
 from ringflash import _validate
 from ringflash import decode
@@ -143,14 +145,17 @@ class KVCache:
 
     Args:
       k: [B, T, K, H], v: [B, T, K, Hv], the sequence sharded over axis_name in `layout`
-        (ring_attention's inputs and outputs are); T <= max_len, divisible by the ring (twice
-        for zigzag). Cast to the cache's dtype.
+        (ring_attention's inputs and outputs are); T <= max_len. Cast to the cache's dtype.
+        A T that does not fit the layout (a multiple of the ring size, twice it for zigzag)
+        is in ringflash.to_layout's order for T, as ring_attention takes and returns it, and
+        is padded inside to the next length that fits (which must fit max_len); the
+        padding's slots stay free.
       lengths: None (every row has T tokens) or [B] int: tokens of each row (a padded
         batch); slots at or past a row's length stay free. Values above T count as T.
       layout: "contiguous", "zigzag" or "striped": which positions device i's rows are.
 
     Returns:
-      The new cache: lengths as given, T slots used per row.
+      The new cache: lengths as given, T slots used per row (T padded, where it is).
 
     Raises:
       ValueError: naming the argument.
@@ -169,14 +174,19 @@ class KVCache:
     if t > self.max_len:
       raise ValueError(f"k holds T={t} tokens, more than the cache's max_len={self.max_len}")
     p = self.ring_size
-    ring_plan.check_layout(layout, p, t)
+    ring_plan.check_layout(layout, p, 0)
+    parts = 2 * p if layout == "zigzag" else p
+    padded = -(-t // parts) * parts
+    if padded > self.max_len:
+      raise ValueError(f"k holds T={t} tokens, which the {layout} layout pads to {padded} on "
+                       f"{p} devices, more than the cache's max_len={self.max_len}")
     if lengths is None:
       lengths = jnp.full((b,), t, jnp.int32)
     else:
       shape, dtype = _validate.array_shape(lengths, "lengths")
       if shape != (b,) or not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(f"lengths must be a [B] = ({b},) integer array, got {shape} {dtype}")
-    fn = _prefill_program(self.mesh, self.axis_name, self.batch_axis, layout, t)
+    fn = _prefill_program(self.mesh, self.axis_name, self.batch_axis, layout, t, padded)
     return fn(self, k, v, lengths)
 
   def append(self, k_new, v_new) -> "KVCache":
@@ -252,9 +262,14 @@ class _Shardings:
 
 
 @functools.lru_cache(maxsize=32)
-def _prefill_program(mesh: Mesh, axis_name, batch_axis, layout: str, t: int):
+def _prefill_program(mesh: Mesh, axis_name, batch_axis, layout: str, t: int, padded: int):
+  """The prefill of T = t tokens, padded to `padded` (the layout's multiple) inside."""
   shard = _Shardings(mesh, axis_name, batch_axis)
   p = _ring_size(mesh, axis_name)
+  rows = None
+  if padded != t:       # the padded layout's slots past t stay free (lengths <= t)
+    positions = ring_plan.layout_positions(layout, p, padded).reshape(-1)
+    rows = _inputs.padded_rows(layout, p, t, positions)
   body = functools.partial(decode_parallel.prefill_local, axis_name=axis_name, size=p,
                            layout=layout)
   fn = jax.shard_map(body, mesh=mesh, in_specs=(shard.seq_spec,) * 4 + (shard.row_spec,),
@@ -262,10 +277,12 @@ def _prefill_program(mesh: Mesh, axis_name, batch_axis, layout: str, t: int):
 
   def prefill(cache: KVCache, k, v, lengths):
     lengths = jnp.minimum(jnp.asarray(lengths).astype(jnp.int32), t)
+    if rows is not None:
+      k, v = (_inputs.regather(x, *rows) for x in (k, v))
     args = (cache.k, cache.v, k, v, lengths)
     specs = (shard.seq_spec,) * 4 + (shard.row_spec,)
     ck, cv, positions = fn(*(_mesh.place(x, mesh, s) for x, s in zip(args, specs)))
-    used = jnp.full(cache.used.shape, t, jnp.int32)
+    used = jnp.full(cache.used.shape, padded, jnp.int32)
     return KVCache(ck, cv, positions, lengths, used, mesh=mesh, axis_name=axis_name,
                    batch_axis=batch_axis)
 

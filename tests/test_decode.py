@@ -282,6 +282,29 @@ def test_cache_prefill_in_the_zigzag_layout():
   _close(got, _reference(q[:, 8:10], key, v, jnp.array([10])))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_cache_prefill_of_a_length_that_does_not_fit_the_layout(layout):
+  """13 tokens on 4 devices (row 1 holds 10), in to_layout's order for 13, as ring_attention
+  returns them: padded inside to 16 (zigzag's 8 chunks of 2, striped's and contiguous' 4 of
+  4), the padding's slots free; appends continue the slot order after the 16."""
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(12, 2, 16, 16, 2, 1, 8)
+  laid = [ringflash.to_layout(x[:, :13], layout, 4) for x in (key, v)]
+  cache = ringflash.KVCache.create(2, 24, 1, 8, mesh=mesh, dtype=jnp.float32)
+  cache = cache.prefill(*laid, jnp.array([13, 10]), layout=layout)
+  np.testing.assert_array_equal(cache.used, [16, 16])
+  positions = np.asarray(cache.positions)
+  held = positions[0][positions[0] != EMPTY]
+  np.testing.assert_array_equal(np.sort(held), np.arange(13))
+  np.testing.assert_array_equal(np.sort(positions[1][positions[1] != EMPTY]), np.arange(10))
+  lengths = np.array([13, 10])
+  cache = cache.append(_new_tokens(key, lengths, 2), _new_tokens(v, lengths, 2))
+  lengths = lengths + 2
+  qn = _new_tokens(q, lengths - 2, 2)
+  _close(cache.attention(qn, return_residual=True),
+         _reference(qn, key[:, :15], v[:, :15], lengths))
+
+
 def test_cache_nan_written_in_a_slot_is_seen_only_by_who_sees_the_slot():
   mesh = helpers.mesh_of(4)
   q, key, v = _inputs(10, 1, 12, 12, 2, 1, 8)
@@ -305,7 +328,10 @@ def test_cache_checks_its_arguments():
   with pytest.raises(ValueError, match="k must have shape"):
     cache.prefill(jnp.zeros((1, 8, 2, 8)), jnp.zeros((1, 8, 2, 8)))
   with pytest.raises(ValueError, match="layout"):
-    cache.prefill(jnp.zeros((1, 12, 1, 8)), jnp.zeros((1, 12, 1, 8)), layout="zigzag")
+    cache.prefill(jnp.zeros((1, 12, 1, 8)), jnp.zeros((1, 12, 1, 8)), layout="diagonal")
+  wide = ringflash.KVCache.create(1, 20, 1, 8, mesh=mesh, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="zigzag layout pads to 24 on 4 devices, more than"):
+    wide.prefill(jnp.zeros((1, 17, 1, 8)), jnp.zeros((1, 17, 1, 8)), layout="zigzag")
   full = cache.prefill(jnp.zeros((1, 16, 1, 8)), jnp.zeros((1, 16, 1, 8)))
   with pytest.raises(ValueError, match="overflows the cache"):
     full.append(jnp.zeros((1, 1, 1, 8)), jnp.zeros((1, 1, 1, 8)))
