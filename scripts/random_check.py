@@ -28,7 +28,8 @@ Three kinds of case:
   or the whole cache among them) against a cache of S_max slots sharded over P devices,
   strategy reduce, allgather or ring, the cache filled one of three ways: slot j holding
   position j; each row's tokens in random slots, the others free (cache_positions); a
-  ringflash.KVCache prefilled in a layout (rows padded) and appended to. GQA / MQA, value
+  ringflash.KVCache prefilled in a layout (rows padded, prompts of lengths the layout does
+  not always fit) and appended to. GQA / MQA, value
   head dims, windows (also with a right side, which causality cuts), sinks, soft-caps,
   scales. Checked: out and lse against the oracle given the tokens at their positions.
 
@@ -553,6 +554,8 @@ class _Checker:
     if c.path == "cache":            # prompt of t0 tokens (rows padded), then appends
       unit = 2 * c.ring_size if c.layout == "zigzag" else c.ring_size
       t0 = unit * nr.randint(0, (s - 12) // unit + 1)
+      if unit > 1 and t0 > unit and nr.rand() < 0.4:   # a length the layout does not fit
+        t0 -= nr.randint(1, unit)
       prompt = nr.randint(0, t0 + 1, b)
       appends = [int(a) for a in nr.randint(1, 5, nr.randint(0, 3))]
       t = min(t, appends[-1]) if appends else t
@@ -600,7 +603,8 @@ class _Checker:
     if c.path == "cache":
       cache = rf.KVCache.create(b, s, c.kh, c.h, mesh=mesh, dtype=dt, value_head_dim=c.hv)
       if t0:
-        put = lambda x: jax.device_put(rf.to_layout(x[:, :t0], c.layout, c.ring_size), seq)
+        put = lambda x: (jax.device_put if t0 % unit == 0 else lambda y, _: y)(
+            rf.to_layout(x[:, :t0], c.layout, c.ring_size), seq)
         cache = cache.prefill(put(k), put(v), jnp.asarray(prompt.astype(np.int32)),
                               layout=c.layout)
       done = prompt.copy()
