@@ -11,7 +11,8 @@ masks as positions plus segment ids. This module maps one onto the other:
   contiguous one at its end; a zigzag or striped one by a gather (padded_rows) into the
   layout of the padded length, whose positions past the user's length are the padding, and
   the output gathered back into the user's order (ringflash.to_layout's for that length);
-- lengths and padding become segment ids: a query row at or past its length gets the id
+- lengths and padding become segment ids (padding alone not where a causal mask hides it:
+  _validate.padding_needs_ids): a query row at or past its length gets the id
   PAD_Q and a key at or past it PAD_K; no real id equals either, so such a key is never seen
   and such a row sees nothing (output 0, lse -inf). Example, T = 6, length 4, no segment ids:
   query ids 0 0 0 0 PAD_Q PAD_Q, key ids 0 0 0 0 PAD_K PAD_K. PAD_Q is the largest int32 and
@@ -124,8 +125,7 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
   q, k, v = (_fit(_rows(x, lead), n, r) for x, n, r in ((query, t_len, q_rows),
                                                          (key, s_len, k_rows),
                                                          (value, s_len, k_rows)))
-  padded = t_len > call.t or s_len > call.s
-  if not (call.masked_by_ids or padded):
+  if not (call.masked_by_ids or _validate.padding_needs_ids(call, t_len, s_len)):
     return q, k, v, None, None
   b = q.shape[0]
   if call.segments:

@@ -362,6 +362,23 @@ def local_lengths(call: Call, ring_size: int, kernel, local: bool):
   return [even] if even == padded else [even, padded]
 
 
+def padding_needs_ids(call: Call, t_len: int, s_len: int) -> bool:
+  """Whether the padding of a sequence run at global lengths (t_len, s_len) must be masked by
+  segment ids (PAD_Q / PAD_K, ringflash/_inputs.py): not where the causal mask hides it.
+
+  Padding keys lie at positions >= S (call.s), which no real query (positions < T <= S)
+  reaches under a causal mask; padding query rows are trimmed, and their zero cotangents carry
+  nothing back (kernels/base.guard_backward), also where they saw a NaN. Without ids the
+  kernels skip their id masks and the tile plans computed from ids at run time (6% of the
+  causal forward at T = 16379 on the H200, docs/GPU_NOTES.md run 96), at the price of the
+  padding rows' own work, so only while they are at most a sixteenth of T.
+  """
+  if t_len == call.t and s_len == call.s:
+    return False
+  hidden = call.is_causal and call.s >= call.t and 16 * (t_len - call.t) <= call.t
+  return not hidden
+
+
 def padded_local(length: int, ring_size: int, multiple: int) -> int:
   """The per-device length a contiguous sequence of `length` tokens is padded to: the
   smallest multiple of `multiple` with ring_size of them covering it."""
@@ -487,12 +504,12 @@ def prepare(call: Call, *, block_sizes, axes: SeqAxes, local: bool, platform: st
     for t_local, s_local in local_lengths(call, p, kernel, local):
       (q_unit, kv_unit), kv_heads, group = strategy_problem(strategy, call, axes, t_local,
                                                             s_local)
-      padded = not local and (t_local * p != call.t or s_local * p != call.s)
+      pad_ids = not local and padding_needs_ids(call, t_local * p, s_local * p)
       problem = base.Problem(
           q_len=q_unit, kv_len=kv_unit, head_dim=call.h, kv_heads=kv_heads, group=group,
           dtype=call.dtype, platform=platform, device_kind=device_kind,
           compute_capability=cc, causal=call.is_causal, window=call.window,
-          segments=call.masked_by_ids or padded, head_dim_v=call.hv, softcap=call.softcap)
+          segments=call.masked_by_ids or pad_ids, head_dim_v=call.hv, softcap=call.softcap)
       reason = kernel.unsupported(problem)
       if reason is None:
         kernel_spec = resolve_spec(kernel, problem, scale=call.scale, block_sizes=block_sizes)

@@ -299,6 +299,56 @@ def test_uneven_lengths_match_oracle(kw):
     assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
 
 
+def test_padding_needs_ids_only_where_the_causal_mask_does_not_hide_it():
+  from ringflash import _validate  # pylint: disable=g-import-not-at-top
+  q, k = jnp.zeros((1, 63, N, H)), jnp.zeros((1, 63, 2, H))
+  call = lambda **kw: _validate.check_call(q, k, k, ring_size=4, local=False, pads=True,  # noqa
+                                           **kw)
+  causal = call(is_causal=True)
+  assert not _validate.padding_needs_ids(causal, 63, 63)           # no padding
+  assert not _validate.padding_needs_ids(causal, 64, 64)           # keys past S >= T
+  assert _validate.padding_needs_ids(causal, 80, 80)               # 17 rows > 63 / 16
+  assert _validate.padding_needs_ids(call(), 64, 64)               # not causal: keys seen
+  assert _validate.padding_needs_ids(call(is_causal=True, local_window_size=(4, 0)), 80, 80)
+  cross = _validate.check_call(jnp.zeros((1, 63, N, H)), jnp.zeros((1, 60, 2, H)),
+                               jnp.zeros((1, 60, 2, H)), ring_size=4, local=False,
+                               pads=True, is_causal=True)
+  assert _validate.padding_needs_ids(cross, 64, 64)                # S < T: row 60 sees 60
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_causal_padding_without_ids_keeps_the_nonfinite_rule(layout):
+  """61 tokens on 4 devices, causal: padded to 64 without ids (the causal mask hides the
+  padding keys), so the 3 padding rows see every key, a NaN value among them. The rows
+  before the NaN key are exact, and a loss over them has finite, exact gradients: the
+  padding rows, trimmed, carry nothing back."""
+  t, j0 = 61, 40
+  q, k, v, dout = helpers.inputs(5, 1, t, t, N, 2, H, jnp.float32)
+  bad_v = v.at[0, j0, 0, 0].set(jnp.nan)
+  to = functools.partial(ringflash.to_layout, layout=layout, ring_size=4)
+  back = functools.partial(ringflash.from_layout, layout=layout, ring_size=4)
+  keep = (jnp.arange(t) < j0)[None, :, None, None]
+
+  def loss(attn):
+    def f(q, k, v_):
+      return jnp.sum(jnp.where(keep, attn(q, k, v_) * dout, 0.0))
+    return f
+
+  def ring(q, k, v_):
+    return back(ringflash.ring_attention(to(q), to(k), to(v_), mesh=helpers.mesh_of(4),
+                                         layout=layout, is_causal=True, backend="xla"))
+
+  dense = lambda q, k, v_: oracle.attention(q, k, v_, causal=True)[0]  # noqa: E731
+  out = ring(q, k, bad_v)
+  assert bool(jnp.all(jnp.isfinite(out[:, :j0]))) and bool(jnp.all(jnp.isnan(out[:, j0:, :2])))
+  assert helpers.max_err(out[:, :j0], dense(q, k, v)[:, :j0]) <= helpers.fp32_tol(out)
+  got = jax.grad(loss(ring), argnums=(0, 1, 2))(q, k, bad_v)
+  want = jax.grad(loss(dense), argnums=(0, 1, 2))(q, k, v)
+  for g, w in zip(got, want):
+    assert bool(jnp.all(jnp.isfinite(g)))
+    assert helpers.max_err(g, w) <= helpers.fp32_tol(w)
+
+
 # ---------------------------------------------------------------------------------------
 # Bad inputs: ValueError naming the argument, raised while tracing, before any collective.
 

@@ -131,6 +131,8 @@ VOCAB_CASES = [
     # a zigzag sequence of 4 UNIT - 5 tokens: not divisible by 2P, padded inside
     VocabCase("zigzag-uneven-sinks-seg-P4", 4, layout="zigzag", trim=5, sinks=True,
               segments=True, lead=(1,)),
+    # causal, one token short: the padding is hidden by the causal mask, no ids
+    VocabCase("causal-uneven-zigzag-sinks-P4", 4, layout="zigzag", trim=1, sinks=True),
 ]
 
 SLOW_VOCAB_CASES = [
