@@ -5,10 +5,10 @@ same for all rows: slot counter n (the n-th slot a row fills) is local slot n //
 n mod P, so every device holds the same number of a row's slots, to within one. A prefill of
 T tokens, sharded as the ring computed them, fills local slots 0 .. T/P - 1 of every device
 where it lies: no data moves (a T that does not fit the layout is padded first, as
-ring_attention pads it, its padding's slots left free). Example, P = 4 devices, max_len 32 (8 slots each), prefill of
-T = 8 tokens (contiguous layout): device 1 holds positions 2, 3 in slots 0, 1; used = 8. The
-appended tokens 8, 9, 10, 11, 12 go to devices 0, 1, 2, 3, 0, local slots 2, 2, 2, 2, 3. Device
-1 then holds 2 3 9 and device 0 holds 0 1 8 12.
+ring_attention pads it, its padding's slots left free). Example, P = 4 devices, max_len 32
+(8 slots each), prefill of T = 8 tokens (contiguous layout): device 1 holds positions 2, 3
+in slots 0, 1; used = 8. The appended tokens 8, 9, 10, 11, 12 go to devices 0, 1, 2, 3, 0,
+local slots 2, 2, 2, 2, 3. Device 1 then holds 2 3 9 and device 0 holds 0 1 8 12.
 
 Since a slot's position is not its index, the cache keeps positions[B, max_len] int32 beside
 K and V (sharded like them; EMPTY = 2**30 marks a free slot, later than any query, so never
