@@ -105,6 +105,13 @@ def layout_positions(layout: str, ring_size: int, length: int,
   return pos.reshape(ring_size, length // ring_size)
 
 
+def fitting_length(layout: str, ring_size: int, length: int) -> int:
+  """The smallest length >= `length` that fits `layout` on the ring: a multiple of P, of 2P
+  for zigzag (check_layout's rule)."""
+  parts = 2 * ring_size if layout == "zigzag" else ring_size
+  return -(-length // parts) * parts
+
+
 def layout_order(layout: str, ring_size: int, length: int) -> np.ndarray:
   """[length] int32: the natural position of each row of a layout-ordered sequence of
   `length` tokens, for any length.
@@ -119,8 +126,7 @@ def layout_order(layout: str, ring_size: int, length: int) -> np.ndarray:
     ValueError: unknown layout, or a ring_size that is not a positive int.
   """
   check_layout(layout, ring_size, 0)
-  parts = 2 * ring_size if layout == "zigzag" else ring_size
-  full = -(-length // parts) * parts
+  full = fitting_length(layout, ring_size, length)
   pos = layout_positions(layout, ring_size, full).reshape(-1)
   return pos[pos < length] if full != length else pos
 

@@ -19,6 +19,7 @@ from ringflash.kernels import BACKENDS
 from ringflash.kernels import base
 from ringflash.kernels import get_backend
 from ringflash.kernels import tiles
+from ringflash.parallel import plan as ring_plan
 from ringflash.parallel import strategies
 from ringflash.parallel.allgather import GatherSpec
 from ringflash.parallel.hybrid import HybridSpec
@@ -355,8 +356,9 @@ def local_lengths(call: Call, ring_size: int, kernel, local: bool):
     multiple = math.lcm(multiple, 2)
   padded = (padded_local(call.t, ring_size, multiple),
             padded_local(call.s, ring_size, multiple))
-  parts = 2 * ring_size if call.layout == "zigzag" else ring_size
-  if call.layout == "contiguous" or call.t % parts or call.s % parts:
+  fits = all(ring_plan.fitting_length(call.layout, ring_size, n) == n
+             for n in (call.t, call.s))
+  if call.layout == "contiguous" or not fits:
     return [padded]
   even = (call.t // ring_size, call.s // ring_size)
   return [even] if even == padded else [even, padded]

@@ -175,8 +175,7 @@ class KVCache:
       raise ValueError(f"k holds T={t} tokens, more than the cache's max_len={self.max_len}")
     p = self.ring_size
     ring_plan.check_layout(layout, p, 0)
-    parts = 2 * p if layout == "zigzag" else p
-    padded = -(-t // parts) * parts
+    padded = ring_plan.fitting_length(layout, p, t)
     if padded > self.max_len:
       raise ValueError(f"k holds T={t} tokens, which the {layout} layout pads to {padded} on "
                        f"{p} devices, more than the cache's max_len={self.max_len}")
