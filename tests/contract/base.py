@@ -721,24 +721,64 @@ class ContractTests:
     evaluates part of its exponentials differently there; tanh would turn an infinite score
     into a finite cap) and with sinks too."""
     self.require("ring")
-    vocab, oracle_vocab = self._nonfinite_vocab(softcap, sinks)
-    case = self.adapt(RingCase("seen-nan", 4, causal=True))
+    self._check_seen_nonfinite(where, value, *self._nonfinite_vocab(softcap, sinks))
+
+  @pytest.mark.parametrize("where,layout,trim,causal,window,softcap,sinks,value", [
+      ("k", "zigzag", (9, 5), True, None, None, False, np.nan),
+      ("k", "zigzag", (0, 1), True, None, 2.0, False, -np.inf),
+      ("q", "striped", (0, 3), False, (20, 12), None, False, np.nan),
+      ("v", "striped", (0, 3), False, (20, 12), 2.0, True, np.nan)],
+      ids=["zigzag-k", "zigzag-hidden-k-inf-softcap", "striped-window-q",
+           "striped-window-v-softcap-sinks"])
+  def test_nonfinite_rule_holds_through_layout_padding(self, where, layout, trim, causal,
+                                                       window, softcap, sinks, value):
+    """The same rule where a zigzag or striped sequence of a length that does not fit the
+    layout is padded inside: with ids for the padding (zigzag, 9/16 UNIT + 5 tokens short;
+    striped, 3 short, a window both ways and the bidirectional ring) and without them where
+    the causal mask hides it (zigzag, 1 short: the padding rows see every key, the bad one
+    among them, and are trimmed). trim: (sixteenths of UNIT, tokens)."""
+    self.require("ring", "layouts", "lengths", *(["window", "bidirectional"] if window
+                                                  else []))
+    self._check_seen_nonfinite(where, value, *self._nonfinite_vocab(softcap, sinks),
+                               layout=layout, trim=trim, causal=causal, window=window,
+                               bidirectional=window is not None)
+
+  def _check_seen_nonfinite(self, where, value, vocab, oracle_vocab, *, layout="contiguous",
+                            trim=(0, 0), causal=True, window=None, bidirectional=False):
+    """One bad entry (`value`) in q, k or v of a 4-device ring: the rows that see it, and
+    the gradients that depend on them, are non-finite; every other row and gradient is
+    finite and equal to the oracle's on clean inputs. Natural order in and out (to_layout /
+    from_layout around the ring); window in sixteenths of UNIT."""
+    case = self.adapt(RingCase("seen-nan", 4, causal=causal, layout=layout))
     q, k, v, dout, _ = self._inputs(case)
+    t0 = q.shape[1]
+    trim = trim[0] * self.UNIT // 16 + trim[1]
+    q, k, v, dout = (x[:, :t0 - trim] for x in (q, k, v, dout))
     t, g = q.shape[1], N // case.kv_heads
-    j0 = t // 2 + 3                                    # a position on the third device
+    window = None if window is None else tuple(w * self.UNIT // 16 for w in window)
+    j0 = t0 // 2 + 3                                   # a position on the third device
     bad = {"q": q, "k": k, "v": v}
     bad[where] = bad[where].at[0, j0, 0, 0].set(value)
-    # [T, N]: rows that see the NaN (causal: a key j is seen by rows i >= j of its group)
-    rows = np.arange(t)[:, None]
+    # sees[i, j]: row i sees key j; seeing [T, N]: the rows that see the bad entry
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    sees = (j <= i) if causal else np.ones((t, t), bool)
+    if window is not None:
+      sees &= (j >= i - window[0]) & (j <= i + window[1])
     heads = np.arange(N)[None, :]
-    seeing = (rows == j0) & (heads == 0) if where == "q" else (rows >= j0) & (heads < g)
+    seeing = ((i == j0) & (heads == 0)) if where == "q" else (sees[:, j0:j0 + 1] & (heads < g))
     mesh = self.mesh(case.ring_size)
     p = case.ring_size
+    local = -(-t // p)
+    to = functools.partial(ringflash.to_layout, layout=layout, ring_size=p)
+    back = functools.partial(ringflash.from_layout, layout=layout, ring_size=p)
 
     def ring(a, b_, c):
-      return ringflash.ring_attention(a, b_, c, mesh=mesh, **self.options(), is_causal=True,
-                                      return_residual=True, backend=self.BACKEND, **vocab,
-                                      block_sizes=self.block_sizes(t // p, t // p))
+      out, lse = ringflash.ring_attention(
+          to(a), to(b_), to(c), mesh=mesh, **self.options(), is_causal=causal,
+          return_residual=True, backend=self.BACKEND, **vocab, layout=layout,
+          local_window_size=window, bidirectional=bidirectional,
+          block_sizes=self.block_sizes(local, local))
+      return back(out), back(lse, axis=2)
 
     out, lse = (np.asarray(x, np.float32) for x in jax.jit(ring)(bad["q"], bad["k"], bad["v"]))
     lse = lse[0].T                                                        # [T, N]
@@ -754,8 +794,8 @@ class ContractTests:
       return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q_, k_, v_)
 
     def dense(upcast):
-      return lambda a, b_, c: oracle.attention(a, b_, c, causal=True, upcast=upcast,
-                                               **oracle_vocab)
+      return lambda a, b_, c: oracle.attention(a, b_, c, causal=causal, upcast=upcast,
+                                               window=window, **oracle_vocab)
 
     # Rows that do not see it: finite and exact, against the oracle on clean inputs (the
     # NaN entry never matters to them).
@@ -773,15 +813,16 @@ class ContractTests:
     bound = 2 * np.max(np.abs(plain_out[0] - ref_out[0])) if low else helpers.FP32_TOL * max(
         1.0, float(np.max(np.abs(ref_out))))
     assert err <= bound, err
-    # The rows that see it: their gradients are non-finite where they depend on it.
+    # The rows that see it: their gradients are non-finite where they depend on it, and
+    # the keys no seeing row sees keep finite gradients.
     dq, dk, dv = (np.asarray(x, np.float32) for x in grads(
         ring, bad["q"], bad["k"], bad["v"], jnp.asarray(seeing)[None, :, :, None]))
     assert np.all(np.any(~np.isfinite(dq[0]), axis=-1)[seeing])
-    seen_keys = j0 + 1 if where == "q" else t           # keys seen by some seeing row
-    assert np.all(np.any(~np.isfinite(dv[0, :seen_keys, 0]), axis=-1))
+    seen = np.any(sees[np.any(seeing, axis=1)], axis=0)   # [S]: keys some seeing row sees
+    assert np.all(np.any(~np.isfinite(dv[0, seen, 0]), axis=-1))
     assert np.all(np.isfinite(dk[0, :, 1:])) and np.all(np.isfinite(dv[0, :, 1:]))
     if where == "q":
-      assert np.all(np.isfinite(dk[0, seen_keys:])) and np.all(np.isfinite(dv[0, seen_keys:]))
+      assert np.all(np.isfinite(dk[0, ~seen])) and np.all(np.isfinite(dv[0, ~seen]))
 
   def test_lse_cotangent_flows(self):
     """With return_residual, gradients through lse are exact too."""
