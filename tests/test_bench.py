@@ -168,7 +168,18 @@ def test_features_mode_rows_per_variant(tmp_path):
          "--kv_heads=2", "--variants=sinks,softcap,mla,h80", devices=1)
   rows = json.load(open(tmp_path / "bench_features.json"))["rows"]
   assert [(r["variant"], r["H"], r["Hv"]) for r in rows] == [
-      ("sinks", 128, 128), ("softcap", 128, 128), ("mla", 192, 128), ("h80", 80, 80)]
+      ("sinks", 32, 32), ("softcap", 32, 32), ("mla", 192, 128), ("h80", 80, 80)]
   assert rows[0]["plain_fwdbwd_ratio"] > 0 and rows[1]["plain_fwd_ratio"] > 0
   assert rows[2]["cudnn_padded_fwd_ratio"] > 0 and rows[2]["xla_fwdbwd_ratio"] > 0
   assert rows[3]["cudnn_fwdbwd_ratio"] > 0
+
+
+def test_features_mode_takes_the_head_dim_of_its_plain_rows(tmp_path):
+  """--head_dim sets H = Hv of the plain, sinks and soft-cap rows (the fixed shapes of mla,
+  h80 and h96 stay theirs)."""
+  _bench(tmp_path, "--mode=features", "--seq_lens=32", "--causal=false", "--heads=2",
+         "--kv_heads=1", "--head_dim=64", "--variants=plain,softcap,h80", "--nobackward",
+         devices=1)
+  rows = json.load(open(tmp_path / "bench_features.json"))["rows"]
+  assert [(r["variant"], r["H"], r["Hv"]) for r in rows] == [
+      ("plain", 64, 64), ("softcap", 64, 64), ("h80", 80, 80)]

@@ -756,7 +756,7 @@ class ContractTests:
     q, k, v, dout = (x[:, :t0 - trim] for x in (q, k, v, dout))
     t, g = q.shape[1], N // case.kv_heads
     window = None if window is None else tuple(w * self.UNIT // 16 for w in window)
-    j0 = t0 // 2 + 3                                   # a position on the third device
+    j0 = t // 2 + 3                        # a position on the third device (contiguous)
     bad = {"q": q, "k": k, "v": v}
     bad[where] = bad[where].at[0, j0, 0, 0].set(value)
     # sees[i, j]: row i sees key j; seeing [T, N]: the rows that see the bad entry

@@ -3,13 +3,14 @@
 For each T = S in --seq_lens and each --causal setting, N = --heads, K = the first
 --kv_heads, bf16, one row per variant (--variants), the implementations of the row taking
 turns (harness.time_in_turns), forward and forward+backward:
-  sinks     ringflash with per-head sinks beside ringflash plain (H = 128): the feature's cost;
+  sinks     ringflash with per-head sinks beside ringflash plain (H = --head_dim, 128 by
+            default): the feature's cost;
   softcap   ringflash with logits_soft_cap = 30 beside ringflash plain: the same;
   mla       H = 192, Hv = 128 (DeepSeek's MLA): ringflash beside cuDNN on V padded to 192
             (jax.nn takes V of K's head dim only; the padding is the user's alternative) and
             the xla backend up to --xla_max_len;
   h80, h96  head dim 80 or 96: ringflash beside cuDNN at the same head dim;
-  plain     H = 128: ringflash beside cuDNN (the kernels mode's row).
+  plain     H = --head_dim: ringflash beside cuDNN (the kernels mode's row).
 TFLOP/s count the FlashAttention convention with the real head dims: 2 B N T S (H + Hv),
 halved when causal, 3.5x for forward+backward. Ratios are medians of the rounds' ratios:
 `<impl>_<phase>_ratio` is ringflash's throughput over that implementation's.
@@ -66,7 +67,8 @@ def run(f) -> list[dict]:
   sinks = jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32)
   rows = []
   for variant in f.variants:
-    h, hv = {"mla": (192, 128), "h80": (80, 80), "h96": (96, 96)}.get(variant, (128, 128))
+    h, hv = {"mla": (192, 128), "h80": (80, 80), "h96": (96, 96)}.get(
+        variant, (f.head_dim, f.head_dim))
     for t in map(int, f.seq_lens):
       for causal in [c.lower() == "true" for c in f.causal]:
         q, k, v, do = _inputs(b, t, n, kh, h, hv)
