@@ -5,7 +5,10 @@ a head dim H or Hv above 128 (e.g. 256, or MLA's 192 / 128), key lengths that ar
 multiple of 128, and interpret mode on CPU.
 
 From the GLOBAL out and lse (kernels/base.py): p = exp(s - lse) is the final probability of
-each pair, D = rowsum(dout * out) - dlse, and for one (query tile, key tile)
+each pair, evaluated as 2^(s log2(e) - lse log2(e)) with log2(e) folded into the scale (one
+multiply and one ex2 a score, as the Mosaic GPU kernels do; exp is libdevice's expf, a
+range reduction around the ex2), D = rowsum(dout * out) - dlse, and for one (query tile, key
+tile)
   dv += p^T dout,  ds = p * (dout v^T - D),  dq += scale ds k,  dk += scale ds^T q.
 Kernel 1 (grid B x N x T/bq) keeps a dq tile in registers and walks the key tiles that may
 have work; kernel 2 (grid B x K x S/bk) keeps dk, dv of one key tile and walks, for each of
@@ -26,7 +29,9 @@ to the work of the three products over H (q k^T, ds k, ds^T q).
 
 Soft-cap (a static branch): s = scale q.k becomes cap t with t = tanh(s / cap), before the
 mask, as in the forward; p = exp(cap t - lse), and ds = p (dp - D) (1 - t^2), the derivative
-of the cap applied before the dq and dk products.
+of the cap applied before the dq and dk products. On a GPU t is the MUFU's tanh.approx.f32,
+the forward's own (libdevice's accurate tanhf, which jnp.tanh lowers to, takes an exponential
+and a reciprocal besides its polynomial); interpreted, jnp.tanh.
 
 Rows with no valid key (lse = -inf) get lse = +inf here, so that p = exp(s - inf) = 0 and
 every gradient of the row is exactly 0 with no inf - inf; a NaN lse stays NaN
@@ -69,25 +74,30 @@ def _dot_pieces(a, b):
   return total
 
 
-def _scores(q, k, scale, softcap):
-  """(s, dcap): the scores scale q.k^T (q, k: lists of column pieces), soft-capped (cap t,
-  t = tanh(s / cap)) where there is a cap, and the cap's derivative 1 - t^2 (None without a
-  cap)."""
-  s = _dot_pieces(q, k) * scale
+def _scores(q, k, scale, softcap, approx):
+  """(s, dcap): the scores scale q.k^T in base 2 (times log2(e); q, k: lists of column
+  pieces), soft-capped (cap t, t = tanh(scale q.k / cap)) where there is a cap, and the cap's
+  derivative 1 - t^2 (None without a cap). approx: tanh on the MUFU (a GPU only)."""
+  dot = _dot_pieces(q, k)
   if softcap is None:
-    return s, None
-  t = jnp.tanh(s * (1.0 / softcap))
-  return softcap * t, 1.0 - t * t
+    return dot * (scale * common.LOG2E), None
+  x = dot * (scale / softcap)
+  if approx:
+    from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+    t = pltriton.approx_tanh(x)
+  else:
+    t = jnp.tanh(x)
+  return (softcap * common.LOG2E) * t, 1.0 - t * t
 
 
-def _tile(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, *, scale, causal, window, softcap,
-          masked=True):
+def _tile(q, k, v, do, lse2, delta, qpos, kpos, qseg, kseg, *, scale, causal, window,
+          softcap, approx, masked=True):
   """(p, ds) of one (query tile, key tile): q [bq, H], k [bk, H], v [bk, Hv], do [bq, Hv]
-  (each a list of column pieces), lse and delta [bq], positions and segment ids (or None) of
-  the rows and keys. Masked pairs are exact zeros in both, also where D is NaN; `masked`
-  False: a tile whose every pair is valid, no mask evaluated."""
-  s, dcap = _scores(q, k, scale, softcap)           # [bq, bk]
-  p = jnp.exp(s - lse[:, None])
+  (each a list of column pieces), lse2 (lse log2(e)) and delta [bq], positions and segment
+  ids (or None) of the rows and keys. Masked pairs are exact zeros in both, also where D is
+  NaN; `masked` False: a tile whose every pair is valid, no mask evaluated."""
+  s, dcap = _scores(q, k, scale, softcap, approx)   # [bq, bk], base 2
+  p = jnp.exp2(s - lse2[:, None])
   valid = None
   if masked:
     valid = base.pair_mask(qpos[:, None], kpos[None, :],
@@ -118,7 +128,7 @@ def _unpack(refs, nh, nv, has_seg):
   return q, do, k, v, lse, delta, qpos, kpos, qseg, kseg, rest[0], rest[1:]
 
 
-def _dq_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, bk):
+def _dq_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, approx, bk):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   (q_refs, do_refs, k_refs, v_refs, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref,
    kseg_ref, rng_ref, dq_refs) = _unpack(refs, nh, nv, has_seg)
@@ -135,7 +145,7 @@ def _dq_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, bk):
     kseg = None if kseg_ref is None else kseg_ref[ks]
     _, ds = _tile(q, kt, [r[ks, :] for r in v_refs], do, lse, delta, qpos, kpos_ref[ks],
                   qseg, kseg, scale=scale, causal=causal, window=window, softcap=softcap,
-                  masked=masked)
+                  approx=approx, masked=masked)
     ds = ds.astype(kt[0].dtype)
     return tuple(acc + _dot(ds, x) for acc, x in zip(dq, kt))
 
@@ -144,7 +154,8 @@ def _dq_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, bk):
     r[...] = acc * scale
 
 
-def _dkv_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, bq, groups):
+def _dkv_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, approx, bq,
+                groups):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   (q_refs, do_refs, k_refs, v_refs, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref,
    kseg_ref, rng_ref, out_refs) = _unpack(refs, nh, nv, has_seg)
@@ -166,7 +177,8 @@ def _dkv_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, bq, grou
       delta = delta_ref[g, qs]
       qseg = None if qseg_ref is None else qseg_ref[qs]
       p, ds = _tile(qt, kt, vt, dot_, lse, delta, qpos_ref[qs], kpos, qseg, kseg, scale=scale,
-                    causal=causal, window=window, softcap=softcap, masked=masked)
+                    causal=causal, window=window, softcap=softcap, approx=approx,
+                    masked=masked)
       pt = p.astype(dot_[0].dtype).T
       dst = ds.astype(qt[0].dtype).T
       dv = tuple(acc + _dot(pt, x) for acc, x in zip(dv, dot_))
@@ -206,8 +218,8 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   window = spec.window
 
   delta = base.softmax_delta(out, dout, dlse)
-  # No key: +inf, so that p = 0 exactly; NaN (the row saw a NaN value) stays NaN.
-  lse_safe = jnp.where(lse == -jnp.inf, jnp.inf, lse).astype(jnp.float32)
+  # In base 2. No key: +inf, so that p = 0 exactly; NaN (the row saw a NaN value) stays NaN.
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * common.LOG2E).astype(jnp.float32)
   work, full = common.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)
   work, full = jnp.broadcast_to(work, (b, nq, nk)), jnp.broadcast_to(full, (b, nq, nk))
   q_rng = common.work_ranges(work, full)            # [B, nq, 4] key tiles per query tile
@@ -217,7 +229,7 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   # Inside shard_map the kernels see per-device values; like plgpu.kernel, trace the calls
   # without mesh-axis typing and restore it on the outputs (match_vma below).
   with base.no_vma_check():
-    dq, dk, dv = _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng,
+    dq, dk, dv = _calls(q, k, v, dout, lse2, delta, q_pos, k_pos, q_seg, k_seg, q_rng,
                         k_rng, spec, window, bq, bk, num_warps, num_stages, h_pieces,
                         hv_pieces)
   return tuple(base.match_vma(x, *refs) for x in (dq, dk, dv))
@@ -240,7 +252,7 @@ def _join(parts):
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
 
 
-def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_rng, spec,
+def _calls(q, k, v, dout, lse2, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_rng, spec,
            window, bq, bk, num_warps, num_stages, h_pieces, hv_pieces):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
@@ -256,7 +268,7 @@ def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_
            compiler_params=pltriton.CompilerParams(num_warps=w, num_stages=st))
       for w, st in zip(num_warps, num_stages))
   kernel_args = dict(nh=nh, nv=nv, has_seg=has_seg, scale=spec.scale, causal=spec.causal,
-                     window=window, softcap=spec.softcap)
+                     window=window, softcap=spec.softcap, approx=not spec.interpret)
   pieced = (q,) * nh + (dout,) * nv + (k,) * nh + (v,) * nv
 
   # dq: grid (batch, query head, query tile), the query tiles in reverse: under a causal
@@ -295,7 +307,7 @@ def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_
                  for w in h_pieces],                               # one array a piece
       out_shape=[jax.ShapeDtypeStruct((b, t, n, w), jnp.float32) for w in h_pieces],
       **params_dq,
-  )(*pieced, lse_safe, delta, q_pos, k_pos, *seg_args, q_rng)
+  )(*pieced, lse2, delta, q_pos, k_pos, *seg_args, q_rng)
 
   # dk, dv: grid (batch, kv head, key tile); the G query heads of the group in one block
   seg_specs_k = [pl.BlockSpec((None, t), lambda bi, hi, j: (bi, 0)),
@@ -328,5 +340,5 @@ def _calls(q, k, v, dout, lse_safe, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_
       out_shape=[jax.ShapeDtypeStruct((b, s, kh, w), jnp.float32)
                  for w in h_pieces + hv_pieces],
       **params_dkv,
-  )(*pieced, lse_safe, delta, q_pos, k_pos, *seg_args, k_rng)
+  )(*pieced, lse2, delta, q_pos, k_pos, *seg_args, k_rng)
   return _join(dq), _join(dkv[:nh]), _join(dkv[nh:])
