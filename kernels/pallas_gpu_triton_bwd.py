@@ -30,8 +30,8 @@ to the work of the three products over H (q k^T, ds k, ds^T q).
 Soft-cap (a static branch): s = scale q.k becomes cap t with t = tanh(s / cap), before the
 mask, as in the forward; p = exp(cap t - lse), and ds = p (dp - D) (1 - t^2), the derivative
 of the cap applied before the dq and dk products. On a GPU t is the MUFU's tanh.approx.f32,
-the forward's own (libdevice's accurate tanhf, which jnp.tanh lowers to, takes an exponential
-and a reciprocal besides its polynomial); interpreted, jnp.tanh.
+the forward's own (libdevice's accurate tanhf, which jnp.tanh lowers to, is several
+instructions where it is one); interpreted, jnp.tanh.
 
 Rows with no valid key (lse = -inf) get lse = +inf here, so that p = exp(s - inf) = 0 and
 every gradient of the row is exactly 0 with no inf - inf; a NaN lse stays NaN
