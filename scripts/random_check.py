@@ -603,8 +603,9 @@ class _Checker:
     if c.path == "cache":
       cache = rf.KVCache.create(b, s, c.kh, c.h, mesh=mesh, dtype=dt, value_head_dim=c.hv)
       if t0:
-        put = lambda x: (jax.device_put if t0 % unit == 0 else lambda y, _: y)(
-            rf.to_layout(x[:, :t0], c.layout, c.ring_size), seq)
+        def put(x):   # a prompt the layout does not fit goes in unsharded; prefill pads it
+          laid = rf.to_layout(x[:, :t0], c.layout, c.ring_size)
+          return jax.device_put(laid, seq) if t0 % unit == 0 else laid
         cache = cache.prefill(put(k), put(v), jnp.asarray(prompt.astype(np.int32)),
                               layout=c.layout)
       done = prompt.copy()
