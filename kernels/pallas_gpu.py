@@ -119,6 +119,16 @@ def triton_config(hp: int, hvp: int) -> tuple[tuple[int, int], tuple[int, int]]:
   return (4, 4), (2, 2)
 
 
+def triton_keys_major(hp: int, hvp: int) -> bool:
+  """Whether the Triton backward's dk, dv kernel computes its tiles keys first (k q^T)
+  rather than transposing them (pallas_gpu_triton_bwd.backward's keys_major), at padded head
+  dims hp, hvp. Measured on the H200 (docs/GPU_NOTES.md, runs 102-103; T = 16k, N = K = 16,
+  the backward alone, keys first over transposed): 1.11-1.16x at 192 / 128 (causal, not,
+  soft-capped), 1.05x at 256 / 128, 1.08-1.11x at 160 / 80, 1.01-1.04x at 128 / 128 and
+  1.05x at 64 / 64; 0.94-0.97x at 256 / 256 (8 warps), which keeps the transposes."""
+  return hp + hvp <= 384
+
+
 def _major(compute_capability) -> int:
   try:
     return int(str(compute_capability).split(".")[0])
@@ -242,7 +252,8 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
     hp, hvp = sum(pieces[0]), sum(pieces[1])
     warps, stages = triton_config(hp, hvp)
     run = functools.partial(pallas_gpu_triton_bwd.backward, dlse=dlse, block=BWD_BLOCK,
-                            num_warps=warps, num_stages=stages, pieces=pieces)
+                            num_warps=warps, num_stages=stages, pieces=pieces,
+                            keys_major=triton_keys_major(hp, hvp))
   dq, dk, dv = run(_pad_last(q, hp), _pad_last(k, hp), _pad_last(v, hvp), _pad_last(out, hvp),
                    lse, _pad_last(dout, hvp), q_pos, k_pos, q_seg, k_seg, spec)
   if hp != h:

@@ -13,7 +13,12 @@ tile)
 Kernel 1 (grid B x N x T/bq) keeps a dq tile in registers and walks the key tiles that may
 have work; kernel 2 (grid B x K x S/bk) keeps dk, dv of one key tile and walks, for each of
 the G = N / K query heads of its group, the query tiles that may have work: GQA without
-repeating K/V and without per-query-head dk/dv partials. Both use the tile ranges of
+repeating K/V and without per-query-head dk/dv partials. Kernel 2's products take p and ds
+transposed (dv += p^T dout, dk += ds^T q); with `keys_major` it computes them so, from
+s^T = k q^T and dp^T = v dout^T, instead of transposing the [bq, bk] tiles in registers
+(on the H200, T = 16k: 1.01-1.16x the backward's speed at head dims up to 192 / 128 and
+256 / 128, 0.94-0.97x at 256 / 256, where kernels/pallas_gpu.py turns it off; docs/
+GPU_NOTES.md, runs 102-103). Both use the tile ranges of
 common.tile_flags (base.block_may_have_work on tile ranges) and the exact in-tile mask,
 which they skip on a run of tiles whose every pair is valid (below a causal diagonal: all
 but the diagonal's tiles).
@@ -91,20 +96,37 @@ def _scores(q, k, scale, softcap, approx):
 
 
 def _tile(q, k, v, do, lse2, delta, qpos, kpos, qseg, kseg, *, scale, causal, window,
-          softcap, approx, masked=True):
+          softcap, approx, masked=True, keys_major=False):
   """(p, ds) of one (query tile, key tile): q [bq, H], k [bk, H], v [bk, Hv], do [bq, Hv]
   (each a list of column pieces), lse2 (lse log2(e)) and delta [bq], positions and segment
   ids (or None) of the rows and keys. Masked pairs are exact zeros in both, also where D is
-  NaN; `masked` False: a tile whose every pair is valid, no mask evaluated."""
-  s, dcap = _scores(q, k, scale, softcap, approx)   # [bq, bk], base 2
-  p = jnp.exp2(s - lse2[:, None])
+  NaN; `masked` False: a tile whose every pair is valid, no mask evaluated. keys_major:
+  p and ds come out [bk, bq] (k q^T and v do^T), for the products of dk and dv, which take
+  them transposed; else [bq, bk]."""
+  if keys_major:
+    s, dcap = _scores(k, q, scale, softcap, approx)  # [bk, bq], base 2
+    dp = _dot_pieces(v, do)
+
+    def rows(x):                                    # a query vector along the columns
+      return None if x is None else x[None, :]
+
+    def keys(x):
+      return None if x is None else x[:, None]
+  else:
+    s, dcap = _scores(q, k, scale, softcap, approx)  # [bq, bk], base 2
+    dp = _dot_pieces(do, v)
+
+    def rows(x):
+      return None if x is None else x[:, None]
+
+    def keys(x):
+      return None if x is None else x[None, :]
+  p = jnp.exp2(s - rows(lse2))
   valid = None
   if masked:
-    valid = base.pair_mask(qpos[:, None], kpos[None, :],
-                           None if qseg is None else qseg[:, None],
-                           None if kseg is None else kseg[None, :], causal=causal,
+    valid = base.pair_mask(rows(qpos), keys(kpos), rows(qseg), keys(kseg), causal=causal,
                            window=window)
-  ds = p * (_dot_pieces(do, v) - delta[:, None])
+  ds = p * (dp - rows(delta))
   if dcap is not None:
     ds = ds * dcap
   if valid is not None:
@@ -155,7 +177,7 @@ def _dq_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, approx, b
 
 
 def _dkv_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, approx, bq,
-                groups):
+                groups, keys_major):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   (q_refs, do_refs, k_refs, v_refs, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref,
    kseg_ref, rng_ref, out_refs) = _unpack(refs, nh, nv, has_seg)
@@ -178,9 +200,10 @@ def _dkv_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, approx, 
       qseg = None if qseg_ref is None else qseg_ref[qs]
       p, ds = _tile(qt, kt, vt, dot_, lse, delta, qpos_ref[qs], kpos, qseg, kseg, scale=scale,
                     causal=causal, window=window, softcap=softcap, approx=approx,
-                    masked=masked)
-      pt = p.astype(dot_[0].dtype).T
-      dst = ds.astype(qt[0].dtype).T
+                    masked=masked, keys_major=keys_major)
+      pt, dst = p.astype(dot_[0].dtype), ds.astype(qt[0].dtype)
+      if not keys_major:
+        pt, dst = pt.T, dst.T                       # [bk, bq]
       dv = tuple(acc + _dot(pt, x) for acc, x in zip(dv, dot_))
       dk = tuple(acc + _dot(dst, x) for acc, x in zip(dk, qt))
       return dk, dv
@@ -195,7 +218,8 @@ def _dkv_kernel(*refs, nh, nv, has_seg, scale, causal, window, softcap, approx, 
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
              dlse=None, block: int = 64, num_warps: tuple[int, int] = (4, 4),
              num_stages: tuple[int, int] = (2, 2),
-             pieces: tuple[tuple[int, ...], tuple[int, ...]] | None = None):
+             pieces: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+             keys_major: bool = True):
   """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32.
 
   q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], out and dout [B, T, N, Hv]. block: query
@@ -203,7 +227,8 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   the dk, dv kernel; pieces: the column pieces of H and of Hv (module docstring), each
   summing to its head dim, each piece a multiple of the one after it (so that it starts at a
   whole block of its own width); on a GPU powers of two. None: one piece each
-  (kernels/pallas_gpu.py, triton_config and triton_dims, choose them by head dims).
+  (kernels/pallas_gpu.py, triton_config and triton_dims, choose them by head dims);
+  keys_major: the dk, dv kernel's tiles computed [bk, bq] (module docstring).
   """
   b, t = q.shape[0], q.shape[1]
   s = k.shape[1]
@@ -231,7 +256,7 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   with base.no_vma_check():
     dq, dk, dv = _calls(q, k, v, dout, lse2, delta, q_pos, k_pos, q_seg, k_seg, q_rng,
                         k_rng, spec, window, bq, bk, num_warps, num_stages, h_pieces,
-                        hv_pieces)
+                        hv_pieces, keys_major)
   return tuple(base.match_vma(x, *refs) for x in (dq, dk, dv))
 
 
@@ -253,7 +278,7 @@ def _join(parts):
 
 
 def _calls(q, k, v, dout, lse2, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_rng, spec,
-           window, bq, bk, num_warps, num_stages, h_pieces, hv_pieces):
+           window, bq, bk, num_warps, num_stages, h_pieces, hv_pieces, keys_major):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
   b, t, n, _ = q.shape
@@ -321,7 +346,8 @@ def _calls(q, k, v, dout, lse2, delta, q_pos, k_pos, q_seg, k_seg, q_rng, k_rng,
     return bi, j, hi
 
   dkv = pl.pallas_call(
-      functools.partial(_dkv_kernel, bq=bq, groups=groups, **kernel_args),
+      functools.partial(_dkv_kernel, bq=bq, groups=groups, keys_major=keys_major,
+                        **kernel_args),
       grid=(b, kh, nk),
       in_specs=[
           *_piece_specs((None, t, groups), h_pieces, q_all),                        # q

@@ -16,6 +16,8 @@ bf16 criterion: error vs the fp32 oracle <= 2x the error of plain bf16 dense att
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,20 +131,23 @@ def _inputs(seed, b, t, s, n, kh, h, hv, dtype=jnp.bfloat16):
 
 
 INTERPRET_CASES = [
-    # causal, segs, n, kh, window, h, hv, softcap, through the backend (padding)
-    (True, False, 4, 2, None, 64, 64, None, False),
+    # causal, segs, n, kh, window, h, hv, softcap, through the backend (padding) or with
+    # the dk, dv kernel's tiles keys first (True) or transposed (False)
+    (True, False, 4, 2, None, 64, 64, None, True),
     (False, True, 2, 1, (20, 5), 64, 64, None, False),
-    (True, True, 4, 2, None, 64, 128, 2.0, False),       # soft-cap, Hv > H, empty rows
-    (False, False, 2, 1, (30, 10), 80, 48, 3.0, True),   # pieces 64 + 16 / 32 + 16
-    (True, True, 4, 2, None, 192, 128, 5.0, True),       # MLA: pieces 128 + 64 / 128
-    (False, False, 2, 2, None, 72, 160, None, True),     # 64 + 16 (padded) / 128 + 32
+    (True, True, 4, 2, None, 64, 128, 2.0, True),        # soft-cap, Hv > H, empty rows
+    (True, True, 4, 2, None, 64, 128, 2.0, False),
+    (False, False, 2, 1, (30, 10), 80, 48, 3.0, "backend"),   # pieces 64 + 16 / 32 + 16
+    (True, True, 4, 2, None, 192, 128, 5.0, "backend"),  # MLA: pieces 128 + 64 / 128
+    (False, False, 2, 2, None, 72, 160, None, "backend"),     # 64 + 16 (padded) / 128 + 32
 ]
 
 
-@pytest.mark.parametrize("causal,segs,n,kh,window,h,hv,softcap,backend", INTERPRET_CASES)
-def test_backward_kernels_interpret(causal, segs, n, kh, window, h, hv, softcap, backend):
-  """The Triton backward kernels in interpret mode, from the oracle's out and lse; with
-  `backend`, through pallas_gpu.backward, which takes the head dims as column pieces
+@pytest.mark.parametrize("causal,segs,n,kh,window,h,hv,softcap,path", INTERPRET_CASES)
+def test_backward_kernels_interpret(causal, segs, n, kh, window, h, hv, softcap, path):
+  """The Triton backward kernels in interpret mode, from the oracle's out and lse: called
+  directly with the dk, dv kernel's tiles keys first or transposed (`path` True / False),
+  or through pallas_gpu.backward ("backend"), which takes the head dims as column pieces
   (triton_dims), pads them to the pieces' sum and cuts the gradients back."""
   b, t = 1, 128
   q, k, v, do = _inputs(1, b, t, t, n, kh, h, hv)
@@ -158,7 +163,10 @@ def test_backward_kernels_interpret(causal, segs, n, kh, window, h, hv, softcap,
 
   out, lse = oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
                               window=window, softcap=softcap)
-  kernel = pallas_gpu.backward if backend else pallas_gpu_triton_bwd.backward
+  if path == "backend":
+    kernel = pallas_gpu.backward
+  else:
+    kernel = functools.partial(pallas_gpu_triton_bwd.backward, keys_major=path)
   got = kernel(q, k, v, out.astype(q.dtype), lse, do, pos, pos, q_seg, kv_seg, spec)
   _, vjp32 = jax.vjp(lambda *a: dense(True, *a), q, k, v)
   want = vjp32(do.astype(jnp.float32))
@@ -467,6 +475,9 @@ def test_which_kernel_takes_which_head_dims(h, hv, block_k, fused, dims, triton)
   config = pallas_gpu.triton_config(sum(pallas_gpu.triton_dims(h)),
                                     sum(pallas_gpu.triton_dims(hv)))
   assert config == (((4, 4), (2, 2)) if triton is None else triton)
+  # the dk, dv kernel's tiles keys first except at 256 / 256 (8 warps: transposed)
+  assert pallas_gpu.triton_keys_major(sum(pallas_gpu.triton_dims(h)),
+                                      sum(pallas_gpu.triton_dims(hv))) == ((h, hv) != (256, 256))
 
 
 @pytest.mark.parametrize("d,pieces", [
