@@ -30,8 +30,8 @@ Which kernel takes which (H, Hv), each dim padded on its own:
     192 -> 128 + 64, 160 -> 128 + 32, 72 -> 64 + 16, padded to 80); so do key lengths
     that are not a multiple of 128 and interpret mode. Measured on the
     H200 (T = 16k, causal, N = K = 16): the forward at 192 / 128 runs at 489 TFLOP/s, its
-    Triton backward takes 16 ms (docs/GPU_NOTES.md run 88) against 5.3 ms for the fused
-    one at 128 / 128.
+    Triton backward takes 14.1 ms (docs/GPU_NOTES.md run 102, with its dk, dv tiles keys
+    first; 15.7 ms transposed) against 5.3 ms for the fused one at 128 / 128 (run 88).
 
 Soft-cap (spec.softcap): a static branch in all three kernels (each module's docstring has
 the details): the forward replaces the raw scores s by t = tanh(scale s / cap) and runs its
