@@ -106,21 +106,18 @@ def _tile(q, k, v, do, lse2, delta, qpos, kpos, qseg, kseg, *, scale, causal, wi
   if keys_major:
     s, dcap = _scores(k, q, scale, softcap, approx)  # [bk, bq], base 2
     dp = _dot_pieces(v, do)
-
-    def rows(x):                                    # a query vector along the columns
-      return None if x is None else x[None, :]
-
-    def keys(x):
-      return None if x is None else x[:, None]
   else:
     s, dcap = _scores(q, k, scale, softcap, approx)  # [bq, bk], base 2
     dp = _dot_pieces(do, v)
+  # A per-query vector spans the tile's query axis (a new key axis inserted), and vice versa.
+  key_axis, query_axis = (0, 1) if keys_major else (1, 0)
 
-    def rows(x):
-      return None if x is None else x[:, None]
+  def rows(x):
+    return None if x is None else jnp.expand_dims(x, key_axis)
 
-    def keys(x):
-      return None if x is None else x[None, :]
+  def keys(x):
+    return None if x is None else jnp.expand_dims(x, query_axis)
+
   p = jnp.exp2(s - rows(lse2))
   valid = None
   if masked:
