@@ -1,11 +1,13 @@
 """The Hopper backend: Pallas Mosaic GPU kernels behind the kernel contract (kernels/base.py).
 
-Three kernels, one module each, sharing kernels/pallas_gpu_common.py (tile plan, launch):
-  kernels/pallas_gpu_mosaic_fwd.py   the forward (wgmma, TMA, warp specialization);
-  kernels/pallas_gpu_mosaic_bwd.py   the backward, one fused kernel, for head dims H and Hv
-                                     of 64 or 128 (after padding);
-  kernels/pallas_gpu_triton_bwd.py   a Pallas Triton backward for the other head dims and
-                                     key lengths that are not a multiple of 128.
+Four kernels, one module each, sharing kernels/pallas_gpu_common.py (tile plan, launch):
+  kernels/pallas_gpu_mosaic_fwd.py       the forward (wgmma, TMA, warp specialization);
+  kernels/pallas_gpu_mosaic_bwd.py       the backward, one fused kernel, for head dims H and
+                                         Hv of 64 or 128 (after padding);
+  kernels/pallas_gpu_mosaic_bwd_wide.py  the same for the other head dims up to 256, its two
+                                         compute warpgroups split by role;
+  kernels/pallas_gpu_triton_bwd.py       a Pallas Triton backward for key lengths that are
+                                         not a multiple of 128 (and the CPU interpreter).
 This module says what the backend runs (`unsupported`), resolves its tiles and dispatches.
 
 Head dims. The Mosaic GPU kernels store Q, K, V and dO tiles as 64-column swizzle tiles
@@ -21,17 +23,20 @@ Which kernel takes which (H, Hv), each dim padded on its own:
   forward: the Mosaic kernel, H and Hv padded to a multiple of 64 (mosaic_dim): 80 -> 128,
     160 -> 192; 192 runs natively (S = Q K^T contracts over three swizzle tiles), so MLA's
     192 / 128 pads nothing.
-  backward: the fused Mosaic kernel where both padded dims are 64 or 128 (fused_backward),
+  backward (backward_kernel): the fused Mosaic kernel where both padded dims are 64 or 128,
     e.g. 128/128, 128/64, 64/128, 80/80 -> 128/128, 112/48 -> 128/64; it keeps dK [64, Hp]
     and dV [64, Hvp] of each compute warpgroup in fp32 registers, and beyond 128 + 128
     columns they no longer fit (MLA's 192 / 128 would need 160 of a thread's 240 registers
-    for them alone). Every other pair, e.g. 192/128, 256/256, 160/72, goes to the Triton
-    backward, which takes each dim as one or two power-of-two column pieces (triton_dims:
-    192 -> 128 + 64, 160 -> 128 + 32, 72 -> 64 + 16, padded to 80); so do key lengths
-    that are not a multiple of 128 and interpret mode. Measured on the
-    H200 (T = 16k, causal, N = K = 16): the forward at 192 / 128 runs at 489 TFLOP/s, its
-    Triton backward takes 14.1 ms (docs/GPU_NOTES.md run 102, with its dk, dv tiles keys
-    first; 15.7 ms transposed) against 5.3 ms for the fused one at 128 / 128 (run 88).
+    for them alone). The other pairs up to 256 / 256, e.g. 192/128, 256/256, 224/128 ->
+    256/128, go to the wide Mosaic kernel, whose warpgroups keep one of dK and dV each
+    (64 x 256 fp32 is 128 registers a thread), where its padding adds no more columns than
+    the Triton backward's; the Triton backward takes the rest (160/72), key lengths that
+    are not a multiple of 128 and interpret mode, each dim as one or two power-of-two
+    column pieces (triton_dims: 192 -> 128 + 64, 160 -> 128 + 32, 72 -> 64 + 16, padded to
+    80). Measured on the H200 (T = 16k, N = K = 16, the backward alone, docs/GPU_NOTES.md
+    run 105): the wide kernel takes 12.5 ms causal at 256 / 256 (the Triton one 29.8),
+    9.8 ms at MLA's 192 / 128 (Triton 14.0), against 5.3 ms for the fused one at 128 / 128
+    (run 88).
 
 Soft-cap (spec.softcap): a static branch in all three kernels (each module's docstring has
 the details): the forward replaces the raw scores s by t = tanh(scale s / cap) and runs its
@@ -64,12 +69,12 @@ HEAD_DIM_STEP = 8
 MAX_HEAD_DIM = 256
 # Head dims the Mosaic GPU kernels take natively: whole 64-column swizzle tiles.
 MOSAIC_DIM_STEP = 64
-# Rows per backward tile (query and key) of both backward kernels: the fused Mosaic backward
-# keeps dK and dV of 64 key rows in each compute warpgroup's registers; the Triton backward
-# uses the same tiles.
+# Rows per backward tile (query and key) of the backward kernels: the Mosaic backwards keep
+# dK and dV of 64 key rows in compute warpgroups' registers; the Triton backward uses the
+# same tiles.
 BWD_BLOCK = 64
-# Padded head dims (H and Hv each) of the fused Mosaic backward; the Triton backward serves
-# the others.
+# Padded head dims (H and Hv each) of the fused Mosaic backward; the wide one serves the
+# others.
 MOSAIC_BWD_HEAD_DIMS = (64, 128)
 
 
@@ -90,11 +95,25 @@ def triton_dims(d: int) -> tuple[int, ...]:
   return min((o for o in options if sum(o) >= d), key=lambda o: (sum(o), len(o)))
 
 
-def fused_backward(head_dim: int, value_dim: int, kv_len: int, interpret: bool) -> bool:
-  """Whether the fused Mosaic backward runs a block pair (else the Triton backward)."""
-  return (not interpret and mosaic_dim(head_dim) in MOSAIC_BWD_HEAD_DIMS
-          and mosaic_dim(value_dim) in MOSAIC_BWD_HEAD_DIMS
-          and kv_len % (2 * BWD_BLOCK) == 0)
+def backward_kernel(head_dim: int, value_dim: int, kv_len: int, interpret: bool) -> str:
+  """Which backward runs a block pair: "mosaic" (kernels/pallas_gpu_mosaic_bwd.py, padded
+  dims both 64 or 128), "wide" (kernels/pallas_gpu_mosaic_bwd_wide.py, the other dims, where
+  its padding to multiples of 64 adds no more columns than the Triton backward's pieces)
+  or "triton" (kernels/pallas_gpu_triton_bwd.py: the rest, key lengths that are not a
+  multiple of 2 * BWD_BLOCK, and interpret mode).
+
+  On the H200 (T = 16k, N = K = 16, the backward alone, docs/GPU_NOTES.md run 105) the wide
+  kernel took 0.40x the Triton one's time at 256 / 256 and 0.70x at 192 / 128 (the same
+  columns), but 1.21x at 160 / 72, which it pads to 192 / 128 where Triton's pieces pad to
+  160 / 80: hence the rule on columns."""
+  if interpret or kv_len % (2 * BWD_BLOCK):
+    return "triton"
+  hp, hvp = mosaic_dim(head_dim), mosaic_dim(value_dim)
+  if hp in MOSAIC_BWD_HEAD_DIMS and hvp in MOSAIC_BWD_HEAD_DIMS:
+    return "mosaic"
+  if hp + hvp <= sum(triton_dims(head_dim)) + sum(triton_dims(value_dim)):
+    return "wide"
+  return "triton"
 
 
 def triton_config(hp: int, hvp: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -235,17 +254,22 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
              dlse=None):
   """Block-pair backward from the global out and lse; see kernels/base.py for the contract.
 
-  The fused Mosaic backward where it applies (fused_backward: a GPU, H and Hv padded to 64
-  or 128, key length a multiple of 2 * BWD_BLOCK), else the Triton backward (interpreted on
-  CPU). Each pads q, k to its head dim (mosaic_dim of H, or the sum of its triton_dims
-  pieces) and v, out, dout to that of Hv, in static branches, and dq, dk, dv are cut back
-  to H, H, Hv.
+  One of three kernels (backward_kernel): the fused Mosaic backward (H and Hv padded to 64
+  or 128), the wide one (most other head dims), both on a GPU with the key length a
+  multiple of 2 * BWD_BLOCK, else the Triton backward (interpreted on CPU). Each pads q, k to its
+  head dim (mosaic_dim of H, or the sum of its triton_dims pieces) and v, out, dout to that
+  of Hv, in static branches, and dq, dk, dv are cut back to H, H, Hv.
   """
   h, hv = q.shape[-1], v.shape[-1]
-  if fused_backward(h, hv, k.shape[1], spec.interpret):
+  kernel = backward_kernel(h, hv, k.shape[1], spec.interpret)
+  if kernel == "mosaic":
     from ringflash.kernels import pallas_gpu_mosaic_bwd  # pylint: disable=g-import-not-at-top
     hp, hvp = mosaic_dim(h), mosaic_dim(hv)
     run = functools.partial(pallas_gpu_mosaic_bwd.backward, dlse=dlse)
+  elif kernel == "wide":
+    from ringflash.kernels import pallas_gpu_mosaic_bwd_wide  # pylint: disable=g-import-not-at-top
+    hp, hvp = mosaic_dim(h), mosaic_dim(hv)
+    run = functools.partial(pallas_gpu_mosaic_bwd_wide.backward, dlse=dlse)
   else:
     from ringflash.kernels import pallas_gpu_triton_bwd  # pylint: disable=g-import-not-at-top
     pieces = triton_dims(h), triton_dims(hv)

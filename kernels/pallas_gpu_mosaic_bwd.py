@@ -34,11 +34,11 @@ Rows with no valid key (lse = -inf) get lse2 = +inf, so that pT = 0 and every gr
 row is exactly 0; a NaN lse stays NaN (kernels/base.py, guard_backward).
 
 Head dims. H and Hv are 64 or 128 here (kernels/pallas_gpu.py pads the smaller ones and
-sends larger ones to the Triton backward): each compute warpgroup holds dK [64, H] and
-dV [64, Hv] in fp32 registers, H / 2 + Hv / 2 registers a thread, and 128 + 128 columns
-is what the 240 registers take beside sT, dpT and the dQ part. Hv != H changes only the
-V and dO tiles ([64, Hv]), dV, and dpT = V dO^T, which contracts over Hv; sT, dsT and dQ
-depend on H alone.
+sends larger ones to kernels/pallas_gpu_mosaic_bwd_wide.py): each compute warpgroup holds
+dK [64, H] and dV [64, Hv] in fp32 registers, H / 2 + Hv / 2 registers a thread, and
+128 + 128 columns is what the 240 registers take beside sT, dpT and the dQ part. Hv != H
+changes only the V and dO tiles ([64, Hv]), dV, and dpT = V dO^T, which contracts over Hv;
+sT, dsT and dQ depend on H alone.
 
 Soft-cap (a static branch; the plain path is untouched). With s = scale q.k and the capped
 score cap t, t = tanh(s / cap), the kernel recomputes t = tanh(sT scale / cap) from the raw

@@ -252,6 +252,11 @@ LOWER_CASES = [
     ("forward", True, False, None, 4, 2, 96, 96, 256, None),
     ("backward", True, False, None, 4, 2, 80, 80, 256, None),
     ("backward", False, True, None, 2, 1, 112, 48, 256, 3.0),
+    # the wide backward: 256 / 256, MLA's 192 / 128, 176 / 120 padded to 192 / 128, 64 / 256
+    ("backward", True, True, None, 4, 2, 256, 256, 256, 30.0),
+    ("backward", False, False, (40, 20), 4, 1, 192, 128, 256, None),
+    ("backward", True, False, None, 2, 2, 176, 120, 256, 5.0),
+    ("backward", False, True, None, 2, 1, 64, 256, 256, None),
 ]
 
 
@@ -289,7 +294,11 @@ def _kernel_fn(which, causal, segs, window, n, kh, h, hv, t, softcap):
   v = jax.ShapeDtypeStruct((b, t, kh, hv), jnp.bfloat16)
   pos = jax.ShapeDtypeStruct((t,), jnp.int32)
   seg = jax.ShapeDtypeStruct((b, t), jnp.int32) if segs else None
-  tiles = pallas_gpu.resolve_tiles(None, _problem(t, t, h, kh, n // kh, hv=hv, softcap=softcap))
+  if t % 128:       # a backward alone: the forward's tiles would refuse t
+    tiles = ringflash.GpuBlockSizes(64, 64, 2)
+  else:
+    tiles = pallas_gpu.resolve_tiles(None, _problem(t, t, h, kh, n // kh, hv=hv,
+                                                    softcap=softcap))
   spec = base.KernelSpec(scale=h ** -0.5, causal=causal, tiles=tiles, window=window,
                          softcap=softcap)
   if which == "forward":
@@ -307,7 +316,7 @@ def _kernel_fn(which, causal, segs, window, n, kh, h, hv, t, softcap):
 def test_mosaic_kernels_lower_for_cuda(which, causal, segs, window, n, kh, h, hv, t, softcap,
                                        in_ring):
   if which == "backward":
-    assert pallas_gpu.fused_backward(h, hv, t, interpret=False)
+    assert pallas_gpu.backward_kernel(h, hv, t, interpret=False) in ("mosaic", "wide")
   fn, args, seq_dims, out_dims = _kernel_fn(which, causal, segs, window, n, kh, h, hv, t,
                                             softcap)
   if in_ring:
@@ -334,23 +343,23 @@ def _abstract_h200():
 
 
 TRITON_LOWER_CASES = [
-    # which, causal, segs, window, n, kh, h, hv, t, softcap
-    ("backward", True, False, None, 4, 1, 192, 128, 256, None),      # MLA: 128 + 64 / 128
-    ("backward", False, True, None, 4, 2, 192, 128, 256, 30.0),
-    ("backward", True, False, (40, 0), 2, 2, 256, 256, 256, 5.0),
-    ("backward", True, False, None, 2, 1, 160, 72, 256, None),        # 128 + 32 / 64 + 16
+    # which, causal, segs, window, n, kh, h, hv, t, softcap (t not a multiple of 128)
+    ("backward", True, False, None, 4, 1, 192, 128, 320, None),      # MLA: 128 + 64 / 128
+    ("backward", False, True, None, 4, 2, 192, 128, 320, 30.0),
+    ("backward", True, False, (40, 0), 2, 2, 256, 256, 320, 5.0),
+    ("backward", True, False, None, 2, 1, 160, 72, 320, None),        # 128 + 32 / 64 + 16
 ]
 
 
 @pytest.mark.parametrize("which,causal,segs,window,n,kh,h,hv,t,softcap", TRITON_LOWER_CASES)
 def test_triton_backward_lowers_for_cuda(which, causal, segs, window, n, kh, h, hv, t,
                                          softcap):
-  """The backward of head dims the fused kernel does not take: Pallas -> Triton for CUDA
+  """The backward of key lengths the Mosaic kernels do not take: Pallas -> Triton for CUDA
   (power-of-two column pieces), alone and inside shard_map; its exponentials are ex2 (no
   libdevice expf) and soft-cap's tanh the MUFU's tanh.approx.f32, as the forward's, not
   libdevice's accurate tanhf (on the H200, 1.15-1.23x the soft-capped backward:
   docs/GPU_NOTES.md run 99)."""
-  assert not pallas_gpu.fused_backward(h, hv, t, interpret=False)
+  assert pallas_gpu.backward_kernel(h, hv, t, interpret=False) == "triton"
   mesh = _abstract_h200()
   if mesh is None:
     pytest.skip("needs jax.sharding.AbstractDevice to lower Pallas Triton without a GPU")
@@ -424,6 +433,35 @@ def test_forward_shared_memory_is_what_mosaic_allocates(h, hv, block_k, stages):
                     q, k, v, pos)
 
 
+@pytest.mark.parametrize("h,hv,stages,fits", [
+    (256, 256, (2, 2), False),      # K, V, 2 Q and 2 dO slots, pT, dsT, dQ parts: 249 KiB
+    (256, 256, (2, 1), True),
+    (192, 128, (2, 2), True),
+    (192, 256, (2, 2), True),       # 225 KiB
+])
+def test_wide_backward_shared_memory_is_what_mosaic_allocates(h, hv, stages, fits):
+  """pallas_gpu_mosaic_bwd_wide.smem_bytes counts the kernel's shared memory as Mosaic GPU
+  allocates it: where it is over Hopper's 227 KiB, Mosaic GPU's own count (from its error)
+  is the same number; stages_for takes the first slot counts that fit."""
+  from ringflash.kernels import pallas_gpu_mosaic_bwd_wide as wide
+  expected = wide.smem_bytes(h, hv, *stages)
+  assert (expected <= common.SMEM_BYTES) == fits
+  if fits:
+    assert wide.stages_for(h, hv) == stages
+    return
+  assert wide.stages_for(h, hv) == (2, 1)
+  t, n, kh = 256, 2, 1
+  f32, i32 = jnp.float32, jnp.int32
+  args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+      ((1, t, n, h), jnp.bfloat16), ((1, t, kh, h), jnp.bfloat16),
+      ((1, t, kh, hv), jnp.bfloat16), ((1, t, n, hv), jnp.bfloat16), ((1, n, 2, t), f32),
+      ((t,), i32), ((t,), i32), ((1, t), i32), ((1, t), i32), ((1, t // 64, 8), i32))]
+  call = functools.partial(wide._kernel_call, scale=0.1, causal=True, window=None,
+                           softcap=None, stages=stages)
+  with pytest.raises(ValueError, match=f"smem_bytes={expected} >"):
+    _lower_for_cuda(call, *args)
+
+
 @pytest.mark.parametrize("h,hv,softcap,dtype,why", [
     (128, 128, 30.0, jnp.bfloat16, None),
     (192, 128, None, jnp.bfloat16, None),             # MLA
@@ -449,35 +487,37 @@ def test_unsupported_names_what_it_refuses(h, hv, softcap, dtype, why):
     assert why in reason and "pallas_gpu" in reason
 
 
-@pytest.mark.parametrize("h,hv,block_k,fused,dims,triton", [
-    (128, 128, 128, True, (128, 128), None),
-    (64, 64, 128, True, (64, 64), None),
-    (128, 64, 128, True, (128, 64), None),
-    (64, 128, 128, True, (64, 128), None),
-    (80, 96, 128, True, (128, 128), None),          # both padded to 128
-    # MLA: forward native, Triton backward at 128 + 64 / 128, its warps and stages measured
-    (192, 128, 128, False, ((128, 64), (128,)), ((4, 4), (3, 3))),
-    (256, 256, 64, False, ((256,), (256,)), ((8, 8), (2, 2))),
-    (224, 128, 64, False, ((256,), (128,)), ((4, 8), (3, 3))),
-    (160, 72, 128, False, ((128, 32), (64, 16)), None),     # forward at 192 / 128
+@pytest.mark.parametrize("h,hv,block_k,kernel,dims,triton", [
+    (128, 128, 128, "mosaic", (128, 128), None),
+    (64, 64, 128, "mosaic", (64, 64), None),
+    (128, 64, 128, "mosaic", (128, 64), None),
+    (64, 128, 128, "mosaic", (64, 128), None),
+    (80, 96, 128, "mosaic", (128, 128), None),          # both padded to 128
+    # MLA: forward and wide backward native; the Triton backward (keys not a multiple of
+    # 128) at 128 + 64 / 128, its warps and stages measured
+    (192, 128, 128, "wide", (192, 128), ((4, 4), (3, 3))),
+    (256, 256, 64, "wide", (256, 256), ((8, 8), (2, 2))),
+    (224, 128, 64, "wide", (256, 128), ((4, 8), (3, 3))),
+    (64, 256, 64, "wide", (64, 256), None),
+    (176, 120, 128, "wide", (192, 128), ((4, 4), (3, 3))),  # Triton's: 128 + 64 / 128
+    # padded to 192 / 128 the wide kernel was slower than Triton's 128 + 32 / 64 + 16
+    (160, 72, 128, "triton", (192, 128), None),
+    (136, 136, 64, "triton", (192, 192), None),
 ])
-def test_which_kernel_takes_which_head_dims(h, hv, block_k, fused, dims, triton):
+def test_which_kernel_takes_which_head_dims(h, hv, block_k, kernel, dims, triton):
   """The forward's default key tile, which backward runs at which head dims (padded for the
-  fused one, as column pieces for the Triton one), and the Triton backward's warps and
-  stages there."""
+  Mosaic ones), and the Triton backward's column pieces, warps and stages where it runs
+  (key lengths not a multiple of 128, interpret mode)."""
   tiles = pallas_gpu.resolve_tiles(None, _problem(1024, 1024, h, 2, 2, hv=hv))
   assert tiles.block_k == block_k
-  assert pallas_gpu.fused_backward(h, hv, 1024, interpret=False) == fused
-  size = pallas_gpu.mosaic_dim if fused else pallas_gpu.triton_dims
-  assert (size(h), size(hv)) == dims
-  assert not pallas_gpu.fused_backward(h, hv, 1024 + 64, interpret=False)
-  assert not pallas_gpu.fused_backward(h, hv, 1024, interpret=True)
-  config = pallas_gpu.triton_config(sum(pallas_gpu.triton_dims(h)),
-                                    sum(pallas_gpu.triton_dims(hv)))
-  assert config == (((4, 4), (2, 2)) if triton is None else triton)
+  assert pallas_gpu.backward_kernel(h, hv, 1024, interpret=False) == kernel
+  assert (pallas_gpu.mosaic_dim(h), pallas_gpu.mosaic_dim(hv)) == dims   # the forward's
+  assert pallas_gpu.backward_kernel(h, hv, 1024 + 64, interpret=False) == "triton"
+  assert pallas_gpu.backward_kernel(h, hv, 1024, interpret=True) == "triton"
+  hp, hvp = sum(pallas_gpu.triton_dims(h)), sum(pallas_gpu.triton_dims(hv))
+  assert pallas_gpu.triton_config(hp, hvp) == (((4, 4), (2, 2)) if triton is None else triton)
   # the dk, dv kernel's tiles keys first except at 256 / 256 (8 warps: transposed)
-  assert pallas_gpu.triton_keys_major(sum(pallas_gpu.triton_dims(h)),
-                                      sum(pallas_gpu.triton_dims(hv))) == ((h, hv) != (256, 256))
+  assert pallas_gpu.triton_keys_major(hp, hvp) == ((h, hv) != (256, 256))
 
 
 @pytest.mark.parametrize("d,pieces", [
@@ -514,7 +554,7 @@ CASES = [
     # causal, segs, n, kh, h, t, dtype, grads
     (True, True, 4, 4, 128, 512, jnp.bfloat16, True),      # rows with no valid key
     (True, False, 8, 2, 128, 512, jnp.bfloat16, True),     # GQA 4:1
-    (True, False, 2, 2, 256, 256, jnp.bfloat16, False),    # head dim 256: forward
+    (True, False, 2, 2, 256, 256, jnp.bfloat16, True),     # head dim 256: wide backward
     (False, False, 2, 1, 128, 1024, jnp.bfloat16, True),
 ]
 
@@ -530,7 +570,7 @@ def test_ring_one_gpu_matches_oracle(causal, segs, n, kh, h, t, dtype, grads):
 VOCAB_CASES = [
     # causal, segs, n, kh, h, hv, softcap, t
     (True, True, 4, 2, 128, 128, 20.0, 512),   # soft-cap; fused backward; rows with no key
-    (True, False, 4, 1, 192, 128, None, 512),  # MLA: forward at 192 / 128, Triton bwd at 256
+    (True, False, 4, 1, 192, 128, None, 512),  # MLA: forward and wide backward at 192 / 128
     (False, False, 4, 2, 128, 64, 5.0, 512),   # Hv < H, soft-cap; fused backward
     (True, False, 2, 2, 80, 80, None, 512),    # padded to 128; forward and fused backward
 ]
@@ -652,9 +692,13 @@ BWD_VOCAB_CASES = [
     # causal, segs, n, kh, h, hv, softcap, t
     (True, True, 4, 2, 128, 128, 30.0, 512),   # fused, soft-cap, rows with no valid key
     (True, False, 4, 2, 64, 128, 2.0, 512),    # fused, Hv > H, soft-cap
-    (False, False, 4, 1, 192, 128, 4.0, 512),  # Triton on the GPU at 128 + 64 / 128, soft-cap
+    (False, False, 4, 1, 192, 128, 4.0, 512),  # wide, MLA, soft-cap
+    (True, True, 4, 2, 176, 120, None, 512),   # wide at 192 / 128 (both padded)
     (True, True, 4, 2, 160, 72, None, 512),    # Triton at 128 + 32 / 64 + 16 (72 padded)
+    (True, True, 4, 2, 256, 256, 30.0, 512),   # wide, soft-cap, rows with no valid key
+    (False, False, 2, 1, 64, 256, None, 256),  # wide, Hv > H
     (True, False, 2, 1, 80, 48, 3.0, 576),     # Triton (keys not a multiple of 128): 64 + 16
+    (False, True, 2, 2, 192, 128, None, 576),  # Triton at 128 + 64 / 128
 ]
 
 
@@ -690,3 +734,71 @@ def test_backward_vocabulary_matches_oracle(causal, segs, n, kh, h, hv, softcap,
     assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
   if segs:  # rows with no valid key: zero dq
     assert float(jnp.abs(got[0][:, t - t // 8:]).max()) == 0.0
+
+
+@needs_hopper
+def test_wide_backward_nan_lse_reaches_only_the_keys_it_sees():
+  """The non-finite rule in the wide backward (MLA's 192 / 128, causal, T = 256, G = 2): a
+  NaN reaches a backward kernel only through lse (base.guard_backward); at row 80 of query
+  head 1 it makes that row's dQ and the dK, dV of the keys it sees (j <= 80) NaN, every
+  other gradient unchanged. dK and dV come from one CUDA block each, bit for bit; dQ sums
+  the key tiles' TMA reduce-adds in whatever order they land, so it is compared to float32
+  rounding."""
+  b, t, n, kh, h, hv = 1, 256, 4, 2, 192, 128
+  assert pallas_gpu.backward_kernel(h, hv, t, interpret=False) == "wide"
+  q, k, v, do = _inputs(5, b, t, t, n, kh, h, hv)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  spec = base.KernelSpec(scale=h ** -0.5, causal=True, tiles=ringflash.GpuBlockSizes(64, 128, 2))
+  run = jax.jit(lambda *a: pallas_gpu.backward(*a, pos, pos, None, None, spec))
+  out, lse = jax.jit(lambda *a: oracle.attention(*a, causal=True))(q, k, v)
+  out = out.astype(q.dtype)
+  dq0, dk0, dv0 = (np.asarray(x) for x in run(q, k, v, out, lse, do))
+  row, head = 80, 1
+  dq, dk, dv = (np.asarray(x) for x in run(q, k, v, out, lse.at[0, head, row].set(jnp.nan),
+                                            do))
+  assert np.isnan(dq[0, row, head]).all()
+  dq_nan = np.zeros(dq.shape, bool)
+  dq_nan[0, row, head] = True
+  np.testing.assert_allclose(dq[~dq_nan], dq0[~dq_nan], rtol=1e-5, atol=1e-6)
+  for g, g0 in ((dk, dk0), (dv, dv0)):
+    assert np.isnan(g[0, :row + 1, 0]).all()
+    seen = np.zeros(g.shape, bool)
+    seen[0, :row + 1, 0] = True
+    np.testing.assert_array_equal(g[~seen], g0[~seen])
+
+
+@needs_hopper
+def test_wide_backward_nan_value_through_the_ring():
+  """A NaN in V at key 100 (kv head 0) through ring_attention on one GPU at 192 / 128, causal
+  (the wide backward): rows before it do not see it and keep their output and dQ; rows from
+  100 on of query heads 0 and 1 see it: NaN output and dQ. A loss that masks those rows gets
+  finite gradients equal to the clean inputs' under the same mask (key 100's dV included: no
+  unmasked row sees it). Gradients are bf16 here: dQ's float32 sums land in any order (TMA
+  reduce-adds) before the cast, so dQ may differ by one bf16 rounding step (2^-8 relative)."""
+  b, t, n, kh, h, hv, key = 1, 256, 4, 2, 192, 128, 100
+  same = functools.partial(np.testing.assert_allclose, rtol=2 ** -7, atol=1e-6)
+  q, k, v, do = _inputs(6, b, t, t, n, kh, h, hv)
+  mesh = _mesh()
+
+  def ours(q, k, v):
+    return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=True, backend="pallas_gpu")
+
+  fwd_bwd = jax.jit(lambda q, k, v, do: (lambda o, f: (o, f(do)))(*jax.vjp(ours, q, k, v)))
+  v_nan = v.at[0, key, 0].set(jnp.nan)
+  out0, grads0 = fwd_bwd(q, k, v, do)
+  out, grads = fwd_bwd(q, k, v_nan, do)
+  out, out0 = np.asarray(out, np.float32), np.asarray(out0, np.float32)
+  assert np.isnan(out[0, key:, :2]).all()
+  np.testing.assert_array_equal(out[0, :key], out0[0, :key])
+  np.testing.assert_array_equal(out[0, :, 2:], out0[0, :, 2:])
+  dq, dq0 = np.asarray(grads[0]), np.asarray(grads0[0])
+  assert np.isnan(dq[0, key:, :2]).all()
+  same(dq[0, :key], dq0[0, :key])
+  same(dq[0, :, 2:], dq0[0, :, 2:])
+  masked_do = do.at[0, key:, :2].set(0)
+  _, grads = fwd_bwd(q, k, v_nan, masked_do)
+  _, grads0 = fwd_bwd(q, k, v, masked_do)
+  for name, g, g0 in zip(("dq", "dk", "dv"), grads, grads0):
+    g, g0 = np.asarray(g, np.float32), np.asarray(g0, np.float32)
+    assert np.isfinite(g).all(), name
+    same(g, g0, err_msg=name)
