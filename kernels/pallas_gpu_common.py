@@ -202,6 +202,21 @@ def tile_plan(work, full):
   return jnp.stack([u_lo, lo, flo, fhi, hi, u_hi, zero, zero], axis=-1).astype(jnp.int32)
 
 
+def backward_plan(lse, out, dout, dlse, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
+                  block: int):
+  """What both Mosaic backwards read besides the tensors: ld float32 [B, N, 2, T] = (lse2,
+  D) per row, with lse2 = lse * log2(e) (+inf for a row with no key, so that pT = 0
+  exactly; a NaN lse stays NaN) and D = rowsum(dout * out) - dlse; and the tile plan of
+  tile_plan with key tiles in the role of query tiles (per key tile of `block` rows, the
+  query tiles with work)."""
+  delta = base.softmax_delta(out, dout, dlse)
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E).astype(jnp.float32)
+  ld = jnp.stack([lse2, delta], axis=2)                       # [B, N, 2, T]
+  work, full = tile_flags(q_pos, k_pos, q_seg, k_seg, spec, block, block)
+  plan = tile_plan(jnp.swapaxes(work, -1, -2), jnp.swapaxes(full, -1, -2))
+  return ld, plan
+
+
 def warp_specialized(entry, out_type, *, grid, grid_names):
   """plgpu.kernel with this backend's block shape: compute warpgroups 0 and 1, memory
   warpgroup 2, on the thread axis "wg"."""

@@ -82,13 +82,7 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   Hv in (64, 128) and S a multiple of 128.
   """
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
-  delta = base.softmax_delta(out, dout, dlse)
-  # No key: +inf, so that pT = 0 exactly; NaN (the row saw a NaN value) stays NaN.
-  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * common.LOG2E).astype(jnp.float32)
-  ld = jnp.stack([lse2, delta], axis=2)                       # [B, N, 2, T]
-  work, full = common.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, BLOCK, BLOCK)
-  # Key tiles in the role of query tiles: per key tile, the query tiles with work.
-  plan = common.tile_plan(jnp.swapaxes(work, -1, -2), jnp.swapaxes(full, -1, -2))
+  ld, plan = common.backward_plan(lse, out, dout, dlse, q_pos, k_pos, q_seg, k_seg, spec, BLOCK)
   with base.no_vma_check():
     dq, dk, dv = _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan,
                               scale=spec.scale, causal=spec.causal, window=spec.window,

@@ -85,11 +85,7 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   stages = stages_for(h, hv, q.dtype.itemsize)
   if stages is None:
     raise NotImplementedError(f"head dims {h=}, {hv=} exceed the wide backward's shared memory")
-  delta = base.softmax_delta(out, dout, dlse)
-  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * common.LOG2E).astype(jnp.float32)
-  ld = jnp.stack([lse2, delta], axis=2)                       # [B, N, 2, T]
-  work, full = common.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, BLOCK, BLOCK)
-  plan = common.tile_plan(jnp.swapaxes(work, -1, -2), jnp.swapaxes(full, -1, -2))
+  ld, plan = common.backward_plan(lse, out, dout, dlse, q_pos, k_pos, q_seg, k_seg, spec, BLOCK)
   with base.no_vma_check():
     dq, dk, dv = _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan,
                               scale=spec.scale, causal=spec.causal, window=spec.window,
@@ -182,6 +178,31 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
                                 dq_ref.at[bi, pl.ds(qt * bl, bl), head, pl.ds(j * PART, PART)],
                                 reduction_op="add")
 
+    def load_parts(src, dst, bar, parts):
+      """The block's key rows of src [B, S, K, parts * PART] into dst [parts, 64, PART]."""
+      for j in range(parts):
+        plgpu.copy_gmem_to_smem(src.at[bi, pl.ds(k_base, bl), kvh, pl.ds(j * PART, PART)],
+                                dst.at[j], bar)
+      plgpu.barrier_wait(bar)
+
+    def keys_by_queries(a_parts, b, parts):
+      """[64 keys, 64 queries] fp32 = A B^T, contracted over the column parts of A (in
+      parts) and B (a [64, parts * PART] tile): sT = K Q^T, dpT = V dO^T."""
+      def product(acc_ref):
+        for j in range(parts):
+          plgpu.wgmma(acc_ref, a_parts.at[j], b.at[:, pl.ds(j * PART, PART)].T)
+        return acc_ref[...]
+
+      return pl.run_scoped(product, plgpu.ACC((bl, bl), jnp.float32))
+
+    def accumulate(step, cols, out_ref):
+      """step over the block's query tiles from a zero [64, cols] fp32 accumulator (dV or
+      dK), stored to out_ref's rows of the block's key tile; then waits for the last dQ
+      reduce-adds to leave shared memory."""
+      acc = visit(step, plgpu.layout_cast(jnp.full((bl, cols), 0.0, jnp.float32), layout))
+      out_ref.at[bi, pl.ds(k_base, bl), kvh][...] = acc
+      plgpu.wait_smem_to_gmem(0)
+
     def positions():
       kpos = kseg = None
       if use_pos:
@@ -193,23 +214,13 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
     @pl.when(wg == 0)
     def _scores():
       plgpu.set_max_registers(240, action="increase")
-      for j in range(nh):
-        plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(k_base, bl), kvh, pl.ds(j * PART, PART)],
-                                k_smem.at[j], k_bar)
-      plgpu.barrier_wait(k_bar)
+      load_parts(k_ref, k_smem, k_bar, nh)
       kpos, kseg = positions()
 
       def step(g, qt, dv, use_mask):
         qs, ds_, head = locate(g, qt)
-        q_s = q_smem.at[qs]
         plgpu.barrier_wait(q_bar.at[qs])
-
-        def qk(acc_ref):
-          for j in range(nh):                     # contract over H in column parts
-            plgpu.wgmma(acc_ref, k_smem.at[j], q_s.at[:, pl.ds(j * PART, PART)].T)
-          return acc_ref[...]
-
-        st = pl.run_scoped(qk, plgpu.ACC((bl, bl), jnp.float32))   # [keys, queries]
+        st = keys_by_queries(k_smem, q_smem.at[qs], nh)              # sT = K Q^T
         if softcap is not None:
           st = jnp.tanh(st * (scale / softcap))   # capped score / cap, in [-1, 1]
         plgpu.barrier_wait(ld_bar.at[qs])
@@ -235,32 +246,19 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
         dq_parts(qt, head, 0)
         return dv
 
-      zeros_v = plgpu.layout_cast(jnp.full((bl, hv), 0.0, jnp.float32), layout)
-      dv = visit(step, zeros_v)
-      dv_ref.at[bi, pl.ds(k_base, bl), kvh][...] = dv
-      plgpu.wait_smem_to_gmem(0)
+      accumulate(step, hv, dv_ref)
 
     @pl.when(wg == 1)
     def _gradients():
       plgpu.set_max_registers(240, action="increase")
-      for j in range(nhv):
-        plgpu.copy_gmem_to_smem(v_ref.at[bi, pl.ds(k_base, bl), kvh, pl.ds(j * PART, PART)],
-                                v_smem.at[j], v_bar)
-      plgpu.barrier_wait(v_bar)
+      load_parts(v_ref, v_smem, v_bar, nhv)
       plgpu.barrier_wait(k_bar)                   # its dQ parts read K
       kpos, kseg = positions()
 
       def step(g, qt, dk, use_mask):
         qs, ds_, head = locate(g, qt)
-        do_s = do_smem.at[ds_]
         plgpu.barrier_wait(do_bar.at[ds_])
-
-        def vdo(acc_ref):
-          for j in range(nhv):                    # contract over Hv in column parts
-            plgpu.wgmma(acc_ref, v_smem.at[j], do_s.at[:, pl.ds(j * PART, PART)].T)
-          return acc_ref[...]
-
-        dpt = pl.run_scoped(vdo, plgpu.ACC((bl, bl), jnp.float32))  # dpT = V dO^T
+        dpt = keys_by_queries(v_smem, do_smem.at[ds_], nhv)          # dpT = V dO^T
         plgpu.barrier_arrive(do_free.at[ds_])
         plgpu.barrier_wait(ld_bar.at[qs])
         delta = plgpu.load(ld_smem.at[qs, 1], layout=col, optimized=False)
@@ -283,10 +281,7 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
         dq_parts(qt, head, 1)
         return dk
 
-      zeros_k = plgpu.layout_cast(jnp.full((bl, h), 0.0, jnp.float32), layout)
-      dk = visit(step, zeros_k)
-      dk_ref.at[bi, pl.ds(k_base, bl), kvh][...] = dk
-      plgpu.wait_smem_to_gmem(0)
+      accumulate(step, h, dk_ref)
 
     @pl.when(wg == 2)
     def _memory():
