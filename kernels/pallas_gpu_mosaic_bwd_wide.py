@@ -30,9 +30,10 @@ of slots, each slot released by both compute warpgroups.
 
 Query tiles come from common.tile_plan on the transposed flags (key tiles in the role of
 query tiles): [lo, hi) are visited, [flo, fhi) without a mask. Rows with no valid key get
-lse2 = +inf (pT = 0 and every gradient 0); a NaN lse stays NaN. Both warpgroups apply the
-mask (warpgroup 1 to dsT, so that a NaN in V or dO that a row does not see never reaches
-its dQ through 0 * NaN).
+lse2 = +inf (pT = 0 and every gradient 0); a NaN lse stays NaN. Warpgroup 0 applies the
+mask to pT; dsT = pT (dpT - D) is then 0 on every masked pair, since the kernel's V, dO and
+D are finite (kernels/base.py, guard_backward: a NaN reaches a backward kernel only through
+lse, which pT carries).
 """
 
 from __future__ import annotations
@@ -253,9 +254,9 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
       plgpu.set_max_registers(240, action="increase")
       load_parts(v_ref, v_smem, v_bar, nhv)
       plgpu.barrier_wait(k_bar)                   # its dQ parts read K
-      kpos, kseg = positions()
 
       def step(g, qt, dk, use_mask):
+        del use_mask                              # warpgroup 0's pT carries the mask
         qs, ds_, head = locate(g, qt)
         plgpu.barrier_wait(do_bar.at[ds_])
         dpt = keys_by_queries(v_smem, do_smem.at[ds_], nhv)          # dpT = V dO^T
@@ -264,9 +265,8 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
         delta = plgpu.load(ld_smem.at[qs, 1], layout=col, optimized=False)
         plgpu.barrier_wait(pt_bar)
         pt = plgpu.load(pt_smem, layout=layout)
+        # 0 on masked pairs (pT is): no second mask
         dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1])) * scale
-        if use_mask:
-          dst = jnp.where(mask(qt, kpos, kseg), dst, 0.0)
         dst16 = dst.astype(dtype)
         ds_smem[...] = dst16
         plgpu.commit_smem()
