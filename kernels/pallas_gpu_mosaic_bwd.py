@@ -236,7 +236,6 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
           pt = common.exp2_split(xt, SOFTCAP_FMA_COLS)
         else:
           pt = jnp.exp2(xt)
-        valid = None
         if use_mask:
           q0 = qt * bl
           qp = kp = qsg = ksg = None
@@ -262,9 +261,8 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
 
         dv, dpt = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros_s)))
         delta = plgpu.load(ld_smem.at[slot, 1], layout=col, optimized=False)
+        # 0 on masked pairs (pT is): no second mask
         dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1])) * scale
-        if valid is not None:
-          dst = jnp.where(valid, dst, 0.0)
         dk = finish(i, qt, head, slot, parity, dst.astype(dtype), dk)
         return dk, dv
 
