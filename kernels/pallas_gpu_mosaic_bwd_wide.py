@@ -49,8 +49,12 @@ from ringflash.kernels import pallas_gpu_common as common
 
 BLOCK = 64        # key rows per CUDA block, query rows per step
 PART = 64         # columns of a swizzle tile (128 bytes of bf16): the products' column parts
-# (Q, dO) slot counts tried, most first; the first that fits shared memory is used.
-STAGE_CHOICES = ((2, 2), (2, 1), (1, 1))
+# (Q, dO) slot counts tried in order, by value head dim (up to 128, beyond); the first that
+# fits shared memory is used. On the H200 (docs/GPU_NOTES.md, runs 113-114: the backward
+# alone, T = 16k, N = K = 16) three Q slots and one dO slot took 0.92-0.98x the time of two
+# and two at 192 / 128, 256 / 128, 192 / 64 and 256 / 64; at 64 / 192 1.05x (dO is the
+# larger tile there), so Hv beyond 128 keeps two of each.
+STAGE_CHOICES = {128: ((3, 1), (2, 1), (1, 1)), 256: ((2, 2), (2, 1), (1, 1))}
 
 
 def smem_bytes(h: int, hv: int, q_stages: int, do_stages: int, itemsize: int = 2) -> int:
@@ -67,8 +71,9 @@ def smem_bytes(h: int, hv: int, q_stages: int, do_stages: int, itemsize: int = 2
 
 
 def stages_for(h: int, hv: int, itemsize: int = 2) -> tuple[int, int] | None:
-  """(Q slots, dO slots): the first of STAGE_CHOICES that fits shared memory, or None."""
-  for st in STAGE_CHOICES:
+  """(Q slots, dO slots): the first of STAGE_CHOICES[128 or 256, from Hv] that fits shared
+  memory, or None."""
+  for st in STAGE_CHOICES[128 if hv <= 128 else 256]:
     if smem_bytes(h, hv, *st, itemsize=itemsize) <= common.SMEM_BYTES:
       return st
   return None

@@ -436,8 +436,10 @@ def test_forward_shared_memory_is_what_mosaic_allocates(h, hv, block_k, stages):
 @pytest.mark.parametrize("h,hv,stages,fits", [
     (256, 256, (2, 2), False),      # K, V, 2 Q and 2 dO slots, pT, dsT, dQ parts: 249 KiB
     (256, 256, (2, 1), True),
-    (192, 128, (2, 2), True),
+    (192, 128, (3, 1), True),       # Hv <= 128: three Q slots, one dO slot
+    (256, 128, (3, 1), True),       # 218 KiB
     (192, 256, (2, 2), True),       # 225 KiB
+    (64, 192, (2, 2), True),
 ])
 def test_wide_backward_shared_memory_is_what_mosaic_allocates(h, hv, stages, fits):
   """pallas_gpu_mosaic_bwd_wide.smem_bytes counts the kernel's shared memory as Mosaic GPU
