@@ -40,6 +40,9 @@ def _run(*args, script=None):
     ("bench", ["--iters=0"], "--iters"),
     ("bench", ["--mode=layouts", "--seq_lens=255"], "--seq_lens"),
     ("bench", ["--mode=kernels", "extra"], "argument"),
+    ("bench", ["--mode=features", "--impls=ringflash,cudnn"], "--impls"),   # kernels' only
+    ("bench", ["--mode=decode", "--seq_lens=4096"], "--seq_lens"),          # --cache_lens
+    ("bench", ["--mode=virtual", "--causal=true"], "--causal"),             # non-causal
 ])
 def test_a_bad_flag_is_one_line_and_status_2(sub, args, names):
   done = _run(sub, *args)
@@ -115,6 +118,15 @@ def test_bench_flags_are_checked_in_process():
                        ({"mode": "longest", "seq_lens": ["129"]}, "--seq_lens")]:
     with pytest.raises(UsageError, match=flag):
       bench.check_flags(types.SimpleNamespace(**(good | change)))
+  # a flag given on the command line must be one that the mode reads
+  for mode, name in [("features", "impls"), ("kernels", "variants"), ("scaling", "ring_sizes"),
+                     ("strategies", "layout"), ("longest", "causal"), ("decode", "seq_lens")]:
+    with pytest.raises(UsageError, match=f"--{name} applies to --mode=.*, not --mode={mode}"):
+      bench.check_flags(types.SimpleNamespace(**(good | {"mode": mode})), given=[name])
+  for mode, name in [("kernels", "impls"), ("features", "variants"), ("virtual", "ring_sizes"),
+                     ("longest", "layout"), ("decode", "cache_lens"), ("decode", "heads")]:
+    bench.check_flags(types.SimpleNamespace(**(good | {"mode": mode, "cache_lens": ["256"],
+                                                       "new_tokens": 1})), given=[name])
   # odd per-device lengths are fine where nothing cuts them in zigzag chunks
   for change in ({"seq_lens": ["129"]}, {"mode": "scaling", "seq_lens": ["129"],
                                          "causal": ["false"]},

@@ -67,20 +67,23 @@ def define_flags() -> None:
   before parsing; importing the module (as tests do) defines nothing."""
   flags.DEFINE_enum("mode", "kernels", list(MODES), "what to run")
   flags.DEFINE_list("seq_lens", ["4096", "16384", "65536"],
-                    "sequence lengths (kernels: T = S; virtual, scaling: per device)")
+                    "sequence lengths, every mode but decode (kernels: T = S; virtual, "
+                    "scaling: per device)")
   flags.DEFINE_integer("heads", 16, "query heads N")
   flags.DEFINE_list("kv_heads", ["16", "4"], "kv heads K per row group (16:4 = GQA)")
   flags.DEFINE_integer("head_dim", 128, "head dim H")
   flags.DEFINE_integer("batch", 1, "batch B")
-  flags.DEFINE_list("causal", ["false", "true"], "causal settings to run")
-  flags.DEFINE_list("impls", list(harness.IMPLEMENTATIONS), "implementations")
-  flags.DEFINE_integer("xla_max_len", 16384, "skip the xla backend above this T")
-  flags.DEFINE_list("gqa_seq_lens", ["16384"], "sequence lengths of the GQA rows")
+  flags.DEFINE_list("causal", ["false", "true"],
+                    "kernels, features, scaling, strategies: causal settings to run")
+  flags.DEFINE_list("impls", list(harness.IMPLEMENTATIONS), "kernels: implementations")
+  flags.DEFINE_integer("xla_max_len", 16384, "kernels, features: skip the xla backend above this T")
+  flags.DEFINE_list("gqa_seq_lens", ["16384"], "kernels: sequence lengths of the GQA rows")
   flags.DEFINE_integer("warmup", 2, "untimed calls (kernels mode: at least one, the compile)")
   flags.DEFINE_integer("iters", 5, "timed calls (median); kernels mode: rounds")
-  flags.DEFINE_list("ring_sizes", ["2", "4", "8"], "virtual: ring steps P")
+  flags.DEFINE_list("ring_sizes", ["2", "4", "8"], "virtual, layouts: ring sizes P")
   flags.DEFINE_string("out", "bench_out", "folder for JSON and PNG")
-  flags.DEFINE_bool("backward", True, "also time forward+backward")
+  flags.DEFINE_bool("backward", True,
+                    "kernels, features, scaling, strategies: also time forward+backward")
   flags.DEFINE_enum("layout", "zigzag", ["contiguous", "zigzag", "striped"],
                     "scaling, longest: layout of the causal rows")
   flags.DEFINE_string("hlo_dir", "", "scaling: write each ring program's compiled HLO here")
@@ -99,6 +102,31 @@ def define_flags() -> None:
   flags.DEFINE_integer("ulysses_size", 2, "strategies: devices of the hybrid strategy's "
                        "Ulysses axis (the devices as (P / U, U)); 0 leaves hybrid out",
                        lower_bound=0)
+
+
+def _modes_but(*left: str) -> tuple[str, ...]:
+  return tuple(m for m in MODES if m not in left)
+
+
+# The flags that only some modes read, and those modes: given on the command line with any
+# other mode, such a flag is a usage error, not silently ignored.
+MODE_FLAGS = {
+    "seq_lens": _modes_but("decode"),
+    "causal": ("kernels", "features", "scaling", "strategies"),
+    "backward": ("kernels", "features", "scaling", "strategies"),
+    "impls": ("kernels",),
+    "gqa_seq_lens": ("kernels",),
+    "xla_max_len": ("kernels", "features"),
+    "variants": ("features",),
+    "ring_sizes": ("virtual", "layouts"),
+    "layout": ("scaling", "longest"),
+    "hlo_dir": ("scaling",),
+    "collectives_in_flight": ("scaling", "longest"),
+    "run_max_len": ("longest",),
+    "cache_lens": ("decode",),
+    "new_tokens": ("decode",),
+    "ulysses_size": ("strategies",),
+}
 
 
 def _ints(f, name: str) -> list[int]:
@@ -130,15 +158,20 @@ def _folder(f, name: str) -> None:
     raise UsageError(f"--{name}={path} is a file; it must name a folder")
 
 
-def check_flags(f) -> None:
+def check_flags(f, given=()) -> None:
   """Checks every flag before any work.
 
   Args:
     f: the parsed flags (absl's FLAGS, or anything with the same attributes).
+    given: the names of the flags set on the command line.
 
   Raises:
     UsageError: one line naming the flag and what it allows.
   """
+  for name in given:
+    if f.mode not in MODE_FLAGS.get(name, MODES):
+      raise UsageError(f"--{name} applies to --mode={' | '.join(MODE_FLAGS[name])}, not "
+                       f"--mode={f.mode}")
   for name in ("heads", "head_dim", "batch", "iters"):
     _at_least(f, name, 1)
   for name in ("warmup", "xla_max_len", "run_max_len"):
@@ -181,7 +214,7 @@ def check_flags(f) -> None:
 def main(argv):
   """Checks the flags, runs the mode, writes bench_<mode>.json (and the kernels plot)."""
   del argv
-  check_flags(FLAGS)
+  check_flags(FLAGS, given=[name for name in MODE_FLAGS if FLAGS[name].present])
   from ringflash.launch import distributed  # pylint: disable=g-import-not-at-top
 
   distributed.initialize()      # a multi-process job (RINGFLASH_* set) joins before any device use
