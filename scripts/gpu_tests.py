@@ -17,8 +17,9 @@ ringflash.parallel and the other subpackages.)
 e.g. `python3 scripts/gpu_tests.py contract/test_pallas_gpu.py -m "slow or not slow"`
 (paths relative to tests/). It collects the selected case ids once, deals them round-robin
 to N processes (default: a third of the cores, at least 1), waits, prints each process's
-summary line and the failures' lines, and exits 1 if any process failed or ran past
---timeout. docs/GPU_NOTES.md (run 37) has what the same dealing printed for the contract file.
+summary line and the failures' lines, then the ids of the cases that processes past
+--timeout did not reach (to pass as the selection of the next call), and exits 1 if any
+process failed or ran past --timeout. docs/GPU_NOTES.md (run 37) has what the same dealing printed for the contract file.
 """
 
 from __future__ import annotations
@@ -50,7 +51,14 @@ def summary(log: str) -> tuple[str, list[str]]:
   """(the last non-empty line of a pytest log, its FAILED / ERROR lines)."""
   lines = [line for line in log.splitlines() if line.strip()]
   bad = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
-  return (lines[-1] if lines else "(no output)"), bad
+  return (lines[-1].strip("= ") if lines else "(no output)"), bad
+
+
+def reached(log: str, part: list[str]) -> list[str]:
+  """The cases of `part` whose result line (pytest -v: "<id> PASSED ...", the id relative
+  to tests/ or to the repository root) is in log."""
+  done = {line.split(" ", 1)[0].removeprefix("tests/") for line in log.splitlines()}
+  return [i for i in part if i in done]
 
 
 def main(argv: list[str]) -> int:
@@ -61,7 +69,8 @@ def main(argv: list[str]) -> int:
   args, selection = parser.parse_known_args(argv)
   if args.processes < 1 or args.timeout < 1:
     parser.error("--processes and --timeout must be >= 1")
-  env = dict(os.environ, JAX_PLATFORMS=args.platform, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  env = dict(os.environ, JAX_PLATFORMS=args.platform, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+             PYTHONUNBUFFERED="1")   # a process past --timeout keeps what it printed
   collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
                               *selection], cwd=TESTS, env=env, capture_output=True, text=True)
   ids = case_ids(collected.stdout)
@@ -75,18 +84,26 @@ def main(argv: list[str]) -> int:
   marks = [arg for i, arg in enumerate(selection) if arg == "-m" or
            (i > 0 and selection[i - 1] == "-m")]
   procs = [subprocess.Popen(["timeout", str(args.timeout), sys.executable, "-m", "pytest",
-                             "-q", "-rfE", "-p", "no:cacheprovider", *marks, *part],
+                             "-v", "-rfE", "-p", "no:cacheprovider", *marks, *part],
                             cwd=TESTS, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for part in parts]
   logs = [p.communicate()[0] for p in procs]
   failed = False
-  for i, (proc, log) in enumerate(zip(procs, logs)):
+  left = []
+  for i, (proc, log, part) in enumerate(zip(procs, logs, parts)):
     last, bad = summary(log)
-    timed_out = proc.returncode in (124, 137)
     failed |= proc.returncode != 0
-    print(f"process {i}: {'ran past --timeout; ' if timed_out else ''}{last}")
+    if proc.returncode in (124, 137):
+      done = reached(log, part)
+      left += [c for c in part if c not in done]
+      last = f"ran past --timeout after {len(done)} of its {len(part)} cases"
+    print(f"process {i}: {last}")
     for line in bad:
       print(f"  {line}")
+  if left:
+    print(f"{len(left)} cases not reached (pass them as the selection to run them):")
+    for case in left:
+      print(f"  {case}")
   print(f"{time.time() - start:.0f} s", flush=True)
   return 1 if failed else 0
 

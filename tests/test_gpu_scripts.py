@@ -169,3 +169,10 @@ def test_gpu_tests_deals_the_collected_cases_and_reads_the_summaries():
       "1 failed, 2 passed in 97.10s (0:01:37)",
       ["FAILED test_pallas_gpu.py::test_auto_picks_pallas_gpu - AssertionError"])
   assert script.summary("") == ("(no output)", [])
+  assert script.summary("=========== 3 passed in 9.10s ===========\n")[0] == "3 passed in 9.10s"
+  # a process past --timeout: the cases whose result line it printed, as ids of tests/
+  log = ("collected 3 items\n\n"
+         f"{ids[0]} PASSED                    [ 33%]\n"
+         f"tests/{ids[2]} FAILED              [ 66%]\n")
+  assert script.reached(log, ids) == [ids[0], ids[2]]
+  assert script.reached("collected 3 items\n", ids) == []
