@@ -19,7 +19,8 @@ e.g. `python3 scripts/gpu_tests.py contract/test_pallas_gpu.py -m "slow or not s
 to N processes (default: a third of the cores, at least 1), waits, prints each process's
 summary line and the failures' lines, then the ids of the cases that processes past
 --timeout did not reach (to pass as the selection of the next call), and exits 1 if any
-process failed or ran past --timeout. docs/GPU_NOTES.md (run 37) has what the same dealing printed for the contract file.
+process failed or ran past --timeout. docs/GPU_NOTES.md (run 37) has what the same dealing
+printed for the contract file.
 """
 
 from __future__ import annotations

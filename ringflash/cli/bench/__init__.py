@@ -104,14 +104,10 @@ def define_flags() -> None:
                        lower_bound=0)
 
 
-def _modes_but(*left: str) -> tuple[str, ...]:
-  return tuple(m for m in MODES if m not in left)
-
-
 # The flags that only some modes read, and those modes: given on the command line with any
 # other mode, such a flag is a usage error, not silently ignored.
 MODE_FLAGS = {
-    "seq_lens": _modes_but("decode"),
+    "seq_lens": tuple(m for m in MODES if m != "decode"),
     "causal": ("kernels", "features", "scaling", "strategies"),
     "backward": ("kernels", "features", "scaling", "strategies"),
     "impls": ("kernels",),
