@@ -17,8 +17,8 @@ ringflash.parallel and the other subpackages.)
 e.g. `python3 scripts/gpu_tests.py contract/test_pallas_gpu.py -m "slow or not slow"`
 (paths relative to tests/). It collects the selected case ids once, deals them round-robin
 to N processes (default: a third of the cores, at least 1), waits, prints each process's
-summary line and the failures' lines, then the ids of the cases that processes past
---timeout did not reach (to pass as the selection of the next call), and exits 1 if any
+summary line and the failures' lines (for a process past --timeout, what its result lines
+say), then the ids of the cases that processes past --timeout did not finish (to pass as the selection of the next call), and exits 1 if any
 process failed or ran past --timeout. docs/GPU_NOTES.md (run 37) has what the same dealing
 printed for the contract file.
 """
@@ -55,11 +55,19 @@ def summary(log: str) -> tuple[str, list[str]]:
   return (lines[-1].strip("= ") if lines else "(no output)"), bad
 
 
-def reached(log: str, part: list[str]) -> list[str]:
-  """The cases of `part` whose result line (pytest -v: "<id> PASSED ...", the id relative
-  to tests/ or to the repository root) is in log."""
-  done = {line.split(" ", 1)[0].removeprefix("tests/") for line in log.splitlines()}
-  return [i for i in part if i in done]
+OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+
+
+def results(log: str, part: list[str]) -> dict[str, str]:
+  """The outcome of each case of `part` whose result line (pytest -v: "<id> PASSED ...", the
+  id relative to tests/ or to the repository root) is in log, in the order of `part`. A
+  case that started and did not finish (its id printed, no outcome after it) is absent."""
+  done = {}
+  for line in log.splitlines():
+    words = line.split()
+    if len(words) >= 2 and words[1] in OUTCOMES:
+      done[words[0].removeprefix("tests/")] = words[1]
+  return {i: done[i] for i in part if i in done}
 
 
 def main(argv: list[str]) -> int:
@@ -95,14 +103,19 @@ def main(argv: list[str]) -> int:
     last, bad = summary(log)
     failed |= proc.returncode != 0
     if proc.returncode in (124, 137):
-      done = reached(log, part)
+      # killed before pytest's summary: its -v result lines say what ran
+      done = results(log, part)
       left += [c for c in part if c not in done]
-      last = f"ran past --timeout after {len(done)} of its {len(part)} cases"
+      counts = ", ".join(f"{sum(o == name for o in done.values())} {name.lower()}"
+                         for name in OUTCOMES if name in done.values())
+      last = (f"ran past --timeout after {len(done)} of its {len(part)} cases"
+              + (f" ({counts})" if counts else ""))
+      bad = [f"{o} {c}" for c, o in done.items() if o in ("FAILED", "ERROR")]
     print(f"process {i}: {last}")
     for line in bad:
       print(f"  {line}")
   if left:
-    print(f"{len(left)} cases not reached (pass them as the selection to run them):")
+    print(f"{len(left)} cases not finished (pass them as the selection to run them):")
     for case in left:
       print(f"  {case}")
   print(f"{time.time() - start:.0f} s", flush=True)

@@ -170,9 +170,11 @@ def test_gpu_tests_deals_the_collected_cases_and_reads_the_summaries():
       ["FAILED test_pallas_gpu.py::test_auto_picks_pallas_gpu - AssertionError"])
   assert script.summary("") == ("(no output)", [])
   assert script.summary("=========== 3 passed in 9.10s ===========\n")[0] == "3 passed in 9.10s"
-  # a process past --timeout: the cases whose result line it printed, as ids of tests/
+  # a process past --timeout: the cases whose result line it printed, as ids of tests/; the
+  # one it was running when killed (its id printed, no outcome yet) did not finish
   log = ("collected 3 items\n\n"
          f"{ids[0]} PASSED                    [ 33%]\n"
-         f"tests/{ids[2]} FAILED              [ 66%]\n")
-  assert script.reached(log, ids) == [ids[0], ids[2]]
-  assert script.reached("collected 3 items\n", ids) == []
+         f"tests/{ids[2]} FAILED              [ 66%]\n"
+         f"{ids[1]} ")
+  assert script.results(log, ids) == {ids[0]: "PASSED", ids[2]: "FAILED"}
+  assert script.results("collected 3 items\n", ids) == {}
