@@ -48,52 +48,6 @@ def forward_smem_bytes(h: int, hv: int, block_q: int, block_k: int, stages: int,
   aligned = sum(-(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for size in buffers)
   return aligned + REDUCTION_SCRATCH + (4 * stages + 3) * MBARRIER_BYTES
 
-# 2^f for f in [-1/2, 1/2], the polynomial of degree 5 with the least maximum relative error,
-# lowest power first. Through exp2_fma in float32 it stays within 2.4e-7 of 2^x (measured
-# over [-124, 1]), the accuracy of the MUFU's ex2.approx.f32.
-EXP2_POLY = (1.0000001192092896, 0.6931469440460205, 0.24022120237350464, 0.05550713464617729,
-             0.009675541892647743, 0.0013276460813358426)
-# 1.5 * 2^23 + 127: adding it to |x| < 2^22 rounds x to the nearest integer j and leaves
-# j + 127 (2^j's exponent field) in the low bits of the float's mantissa.
-_ROUND = 12583039.0
-
-
-def exp2_fma(x):
-  """2^x for float32 x <= 1 (or NaN) on the FMA and integer units, without the MUFU's ex2.
-
-  x = j + f with j = round(x) and f in [-1/2, 1/2]; 2^f is EXP2_POLY, times 2^j. x is first
-  raised to -125, so that -inf gives about 2^-125 (1e-38), not 0: callers use it only where
-  no entry is masked. NaN gives NaN.
-
-  For kernels only: it needs (x + c) - c evaluated in IEEE order, which the Mosaic GPU
-  compilation keeps (no reassociation without fast-math flags) and XLA:GPU's fusions do not
-  (there f comes out 0 and the result is off by up to 41%).
-  """
-  x = jnp.maximum(x, -125.0)                   # NaN stays NaN (max.NaN.f32)
-  t = x + _ROUND
-  f = x - (t - _ROUND)
-  p = EXP2_POLY[-1] * f + EXP2_POLY[-2]
-  for coeff in EXP2_POLY[-3::-1]:
-    p = p * f + coeff
-  # 2^j as a float, (j + 127) << 23: the low 9 bits of t's bits hold j + 127, the bits
-  # above them shift out. Multiplying (not adding j << 23 to p's bits) keeps a NaN a NaN.
-  two_j = jax.lax.bitcast_convert_type(
-      jax.lax.shift_left(jax.lax.bitcast_convert_type(t, jnp.int32), 23), jnp.float32)
-  return p * two_j
-
-
-def exp2_split(x, fma_cols: int):
-  """2^x for a [rows, cols] tile: its first fma_cols columns (a multiple of 8) through
-  exp2_fma, the others through jnp.exp2 (the MUFU), so that both units share the tile."""
-  rows, cols = x.shape
-  if not fma_cols:
-    return jnp.exp2(x)
-  head = exp2_fma(jax.lax.slice(x, (0, 0), (rows, fma_cols)))
-  if fma_cols >= cols:
-    return head
-  tail = jnp.exp2(jax.lax.slice(x, (0, fma_cols), (rows, cols)))
-  return jax.lax.concatenate([head, tail], 1)
-
 
 def _tile_ranges(pos, seg, size):
   """Per tile [min, max] of positions ([n, 2]) and segment ids ([B, n, 2] or None)."""

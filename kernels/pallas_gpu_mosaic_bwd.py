@@ -30,6 +30,12 @@ the full run [flo, fhi) are computed without a mask. A warpgroup passing a union
 its own range writes a zero dsT (the other warpgroup's dQ product reads it) and computes its
 dQ columns as usual.
 
+The order of a step (overlap_schedule says which): either the softmax (pT from sT), then
+dV's and dpT's products together; or dpT's product issued with sT's, so that it runs while
+the warpgroup computes pT, then dV's product, which runs while it computes dsT. The two
+warpgroups meet once a step (the dsT exchange), so they reach the softmax together: in the
+first order the tensor cores have nothing to run under it.
+
 Rows with no valid key (lse = -inf) get lse2 = +inf, so that pT = 0 and every gradient of the
 row is exactly 0; a NaN lse stays NaN (kernels/base.py, guard_backward).
 
@@ -45,11 +51,9 @@ score cap t, t = tanh(s / cap), the kernel recomputes t = tanh(sT scale / cap) f
 sT (one MUFU tanh.approx.f32 a score, as the forward does, so that pT matches the forward's
 lse) and pT = 2^(t c' - lse2) with c' = cap log2(e). The derivative of the cap,
 d(cap t)/ds = 1 - t^2, multiplies dsT before the dK and dQ products; it is folded into pT
-right after pT16 (for dV) is taken: pT (1 - t^2) replaces pT in dsT = pT (dpT - D) scale, so
-no [64, 64] array more than in the plain path lives across the dV and dP products. Two MUFU
-operations a score (tanh, ex2) keep the MUFU the busiest unit, so in tiles without a mask
-the first SOFTCAP_FMA_COLS query columns take their ex2 on the FMA units
-(common.exp2_split).
+right after pT16 (for dV) is taken: pT (1 - t^2) replaces pT in dsT = pT (dpT - D) scale.
+Two MUFU operations a score (tanh, ex2) keep the MUFU the busiest unit; soft-capped steps
+take the overlapping order, with dpT's product under them.
 """
 
 from __future__ import annotations
@@ -64,14 +68,19 @@ from ringflash.kernels import base
 from ringflash.kernels import pallas_gpu_common as common
 
 BLOCK = 64        # query rows per step and key rows per compute warpgroup
-# With a soft-cap each score takes two MUFU operations (tanh and ex2), and the backward waits
-# on the MUFU: in tiles without a mask, this many of a tile's 64 query columns take their
-# ex2 on the FMA units instead (common.exp2_fma). On the H200 at T = 16k (docs/GPU_NOTES.md,
-# runs 41, 42 and 44) 16 made the soft-capped kernels' forward+backward 3.7-4.1% faster,
-# 8 and 24 0.3-1.3%; the plain backward, one MUFU operation a score, got 1-3% slower with
-# 8 or 16, so it keeps jnp.exp2. Those runs added j << 23 to the polynomial's bits; the
-# kept exp2_fma multiplies by 2^j instead, so that NaN stays NaN: 1.3-3.1% (run 54).
-SOFTCAP_FMA_COLS = 16
+
+
+def overlap_schedule(softcap: float | None, masked: bool) -> bool:
+  """Whether a step issues dpT = V dO^T together with sT = K Q^T, so that dpT's product runs
+  under the softmax and dV's under dsT (module docstring), rather than the softmax first
+  and then dV's and dpT's products together.
+
+  On the H200 (T = 16k, N = K = 16, H = 128, the backward alone, docs/GPU_NOTES.md runs
+  118-119) the overlap took soft-capped backwards 2.8% faster causal and 4.5% not (two MUFU
+  operations a score, and the two warpgroups, which meet once a step, reach the softmax
+  together: nothing else ran under it), but plain causal ones 3.3% slower (2.3% faster
+  without a mask)."""
+  return softcap is not None or not masked
 
 
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
@@ -115,6 +124,7 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
   has_seg = q_seg is not None
   masked = causal or has_seg or window is not None
   use_pos = causal or window is not None
+  overlap = overlap_schedule(softcap, masked)
   layout = plgpu.Layout.WGMMA
   row, col = layout.reduce(1), layout.reduce(0)   # [64] along rows (keys), columns (queries)
 
@@ -221,50 +231,79 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
         q_s, do_s = q_smem.at[slot], do_smem.at[slot]
         plgpu.barrier_wait(q_bar.at[slot])
 
-        def qk(acc_ref):
+        def issue_st(s_ref):
           for j in range(nsplit):                   # contract over H in column parts
-            plgpu.wgmma(acc_ref, k_smem.at[wg, j], q_s.at[:, pl.ds(j * hh, hh)].T)
-          return acc_ref[...]
+            plgpu.wgmma(s_ref, k_smem.at[wg, j], q_s.at[:, pl.ds(j * hh, hh)].T)
 
-        st = pl.run_scoped(qk, plgpu.ACC((bl, bl), jnp.float32))   # [keys, queries]
-        if softcap is not None:
-          st = jnp.tanh(st * (scale / softcap))     # capped score / cap, in [-1, 1]
-        plgpu.barrier_wait(ld_bar.at[slot])
-        lse2 = plgpu.load(ld_smem.at[slot, 0], layout=col, optimized=False)
-        xt = st * c - lax.broadcast_in_dim(lse2, st.shape, [1])
-        if softcap is not None and not use_mask:
-          pt = common.exp2_split(xt, SOFTCAP_FMA_COLS)
+        def probabilities(st):
+          """pT (times the cap's derivative with a soft-cap) and pT in bf16 (for dV), from
+          the raw sT [keys, queries]."""
+          if softcap is not None:
+            st = jnp.tanh(st * (scale / softcap))   # capped score / cap, in [-1, 1]
+          plgpu.barrier_wait(ld_bar.at[slot])
+          lse2 = plgpu.load(ld_smem.at[slot, 0], layout=col, optimized=False)
+          pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse2, st.shape, [1]))
+          if use_mask:
+            q0 = qt * bl
+            qp = kp = qsg = ksg = None
+            if use_pos:
+              qpos = plgpu.load(qpos_ref.at[pl.ds(q0, bl)], layout=col, optimized=False)
+              kp = lax.broadcast_in_dim(kpos, (bl, bl), [0])
+              qp = lax.broadcast_in_dim(qpos, (bl, bl), [1])
+            if has_seg:
+              qseg = plgpu.load(qseg_ref.at[bi, pl.ds(q0, bl)], layout=col, optimized=False)
+              ksg = lax.broadcast_in_dim(kseg, (bl, bl), [0])
+              qsg = lax.broadcast_in_dim(qseg, (bl, bl), [1])
+            valid = base.pair_mask(qp, kp, qsg, ksg, causal=causal, window=window)
+            pt = jnp.where(valid, pt, 0.0)
+          pt16 = pt.astype(dtype)
+          if softcap is not None:
+            pt = pt * (1.0 - st * st)               # pT times the cap's derivative
+          return pt, pt16
+
+        def ds(pt, dpt):
+          """dsT in bf16; 0 on masked pairs (pT is): no second mask."""
+          delta = plgpu.load(ld_smem.at[slot, 1], layout=col, optimized=False)
+          return (pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1])) * scale
+                  ).astype(dtype)
+
+        if overlap:
+          # dpT's product runs under the softmax, dV's under dsT.
+          plgpu.barrier_wait(do_bar.at[slot])
+          def st_dpt(dp_ref):
+            def scores(s_ref):
+              issue_st(s_ref)
+              plgpu.wgmma(dp_ref, v_smem.at[wg], do_s.T)          # dpT = V dO^T
+              return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # sT; dpT runs on
+
+            pt, pt16 = probabilities(pl.run_scoped(scores, plgpu.ACC((bl, bl), jnp.float32)))
+            return pt, pt16, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+
+          pt, pt16, dpt = pl.run_scoped(st_dpt, plgpu.ACC((bl, bl), jnp.float32))
+
+          def dv_ds(dv_ref):
+            dv_ref[...] = dv
+            plgpu.wgmma(dv_ref, pt16, do_s)                       # dV += pT dO
+            dst16 = ds(pt, dpt)
+            return plgpu.wgmma_accumulator_load(dv_ref, wait_n=0), dst16
+
+          dv, dst16 = pl.run_scoped(dv_ds, plgpu.ACC((bl, hv), jnp.float32))
         else:
-          pt = jnp.exp2(xt)
-        if use_mask:
-          q0 = qt * bl
-          qp = kp = qsg = ksg = None
-          if use_pos:
-            qpos = plgpu.load(qpos_ref.at[pl.ds(q0, bl)], layout=col, optimized=False)
-            kp = lax.broadcast_in_dim(kpos, (bl, bl), [0])
-            qp = lax.broadcast_in_dim(qpos, (bl, bl), [1])
-          if has_seg:
-            qseg = plgpu.load(qseg_ref.at[bi, pl.ds(q0, bl)], layout=col, optimized=False)
-            ksg = lax.broadcast_in_dim(kseg, (bl, bl), [0])
-            qsg = lax.broadcast_in_dim(qseg, (bl, bl), [1])
-          valid = base.pair_mask(qp, kp, qsg, ksg, causal=causal, window=window)
-          pt = jnp.where(valid, pt, 0.0)
-        pt16 = pt.astype(dtype)
-        if softcap is not None:
-          pt = pt * (1.0 - st * st)                 # pT times the cap's derivative
-        plgpu.barrier_wait(do_bar.at[slot])
+          def scores(s_ref):
+            issue_st(s_ref)
+            return s_ref[...]
 
-        def dv_dp(refs):
-          dv_ref, dp_ref = refs
-          plgpu.wgmma(dv_ref, pt16, do_s)                  # dV += pT dO
-          plgpu.wgmma(dp_ref, v_smem.at[wg], do_s.T)       # dpT = V dO^T
+          pt, pt16 = probabilities(pl.run_scoped(scores, plgpu.ACC((bl, bl), jnp.float32)))
+          plgpu.barrier_wait(do_bar.at[slot])
 
-        dv, dpt = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros_s)))
-        delta = plgpu.load(ld_smem.at[slot, 1], layout=col, optimized=False)
-        # 0 on masked pairs (pT is): no second mask
-        dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1])) * scale
-        dk = finish(i, qt, head, slot, parity, dst.astype(dtype), dk)
-        return dk, dv
+          def dv_dp(refs):
+            dv_ref, dp_ref = refs
+            plgpu.wgmma(dv_ref, pt16, do_s)                       # dV += pT dO
+            plgpu.wgmma(dp_ref, v_smem.at[wg], do_s.T)            # dpT = V dO^T
+
+          dv, dpt = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros_s)))
+          dst16 = ds(pt, dpt)
+        return finish(i, qt, head, slot, parity, dst16, dk), dv
 
       def run(g, start, stop, fn, carry):
         # Loops count from 0: inside shard_map the loaded bounds carry the mesh axis in

@@ -272,6 +272,16 @@ def test_forward_schedule_choice():
   assert not choose(128, 128, stages=3)          # 3 stages + the zero slot: 256 KiB
 
 
+def test_backward_schedule_choice():
+  """The fused backward issues dpT with sT (the overlap order) where it was measured faster:
+  soft-capped steps, masked or not, and plain ones without a mask; plain masked steps (causal,
+  windows, segments) keep the softmax first."""
+  from ringflash.kernels import pallas_gpu_mosaic_bwd as bwd
+  assert bwd.overlap_schedule(30.0, masked=True) and bwd.overlap_schedule(30.0, masked=False)
+  assert bwd.overlap_schedule(None, masked=False)
+  assert not bwd.overlap_schedule(None, masked=True)
+
+
 def _in_shard_map(fn, seq_dims, out_dims, mesh=None):
   """fn inside shard_map over a one-device mesh (default: this host's first device) with
   each array's sequence dimension mapped, as the ring calls the kernels: there, positions
@@ -372,29 +382,6 @@ def test_triton_backward_lowers_for_cuda(which, causal, segs, window, n, kh, h, 
     assert "__nv_exp2f" in text and "__nv_expf" not in text
     if softcap is not None:
       assert "tanh.approx.f32" in text and "__nv_tanhf" not in text
-
-
-def test_exp2_fma_is_exp2_to_float32_accuracy():
-  """The soft-capped backward's ex2 on the FMA units: within 2.5e-7 of 2^x over the range the
-  softmax uses, about 1e-38 for -inf (it serves tiles without masked pairs), NaN for NaN; and
-  exp2_split puts it in the first columns only. Evaluated op by op (jax.disable_jit), in the
-  IEEE order the Mosaic GPU kernel keeps: a fused XLA program may fold (x + c) - c to x
-  (XLA:GPU does, and XLA:CPU of jax 0.11.2: then the result is off by up to 41%). On the
-  H200 the backward's soft-cap cases check it inside the kernel."""
-  x = jnp.linspace(-124.0, 1.0, 2_000_001, dtype=jnp.float32)
-  with jax.disable_jit():
-    got = np.asarray(common.exp2_fma(x), np.float64)
-  want = np.exp2(np.asarray(x, np.float64))
-  assert np.max(np.abs(got / want - 1.0)) < 2.5e-7
-  odd = np.asarray(common.exp2_fma(jnp.array([-jnp.inf, -1e30, -200.0, jnp.nan, 0.0])))
-  assert np.all((odd[:3] > 0) & (odd[:3] < 2.0 ** -124))
-  assert np.isnan(odd[3]) and abs(odd[4] - 1.0) < 2.5e-7
-  tile = jax.random.uniform(jax.random.key(0), (64, 64), jnp.float32, -30.0, 0.5)
-  split = np.asarray(common.exp2_split(tile, 16))
-  np.testing.assert_array_equal(split[:, :16], np.asarray(common.exp2_fma(tile[:, :16])))
-  np.testing.assert_array_equal(split[:, 16:], np.asarray(jnp.exp2(tile[:, 16:])))
-  np.testing.assert_array_equal(np.asarray(common.exp2_split(tile, 0)),
-                                np.asarray(jnp.exp2(tile)))
 
 
 def test_forward_tiles_beyond_shared_memory_raise():
