@@ -43,7 +43,7 @@ the details): the forward replaces the raw scores s by t = tanh(scale s / cap) a
 base-2 online softmax on cap log2(e) t with the same single FMA; the backwards recompute t
 the same way and multiply dS by 1 - t^2 before the dK and dQ products. On the H200 (T = 16k,
 H = 128) a capped forward runs at 0.81-0.83x the plain one's speed and forward+backward at
-0.89-0.90x (docs/GPU_NOTES.md runs 86 and 89; runs 41-74 and 82-83 say why).
+0.89-0.91x (docs/GPU_NOTES.md runs 86, 89 and 121; runs 41-74, 82-83 and 118-119 say why).
 
 The Mosaic GPU kernels have no CPU interpreter, so the backend runs on Hopper GPUs only
 (`unsupported` says so on other devices; the Triton backward alone runs interpreted on CPU,
