@@ -171,6 +171,27 @@ def backward_plan(lse, out, dout, dlse, q_pos, k_pos, q_seg, k_seg, spec: base.K
   return ld, plan
 
 
+def backward_pair_mask(qt, kpos, kseg, qpos_ref, qseg_ref, bi, size: int, col, *, causal: bool,
+                       window):
+  """The [keys, queries] validity of a backward step's tile, for the Mosaic GPU backwards:
+  the key tile's positions and segment ids (kpos, kseg: [size] in the row layout, None where
+  the mask does not use them) against query tile qt's, loaded in the column layout `col`
+  from qpos_ref and qseg_ref[bi]."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  from jax.experimental import pallas as pl                # pylint: disable=g-import-not-at-top
+  q0 = qt * size
+  qp = kp = qsg = ksg = None
+  if kpos is not None:
+    qpos = plgpu.load(qpos_ref.at[pl.ds(q0, size)], layout=col, optimized=False)
+    kp = jax.lax.broadcast_in_dim(kpos, (size, size), [0])
+    qp = jax.lax.broadcast_in_dim(qpos, (size, size), [1])
+  if kseg is not None:
+    qseg = plgpu.load(qseg_ref.at[bi, pl.ds(q0, size)], layout=col, optimized=False)
+    ksg = jax.lax.broadcast_in_dim(kseg, (size, size), [0])
+    qsg = jax.lax.broadcast_in_dim(qseg, (size, size), [1])
+  return base.pair_mask(qp, kp, qsg, ksg, causal=causal, window=window)
+
+
 def warp_specialized(entry, out_type, *, grid, grid_names):
   """plgpu.kernel with this backend's block shape: compute warpgroups 0 and 1, memory
   warpgroup 2, on the thread axis "wg"."""

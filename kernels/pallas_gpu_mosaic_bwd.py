@@ -156,6 +156,7 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
       plgpu.barrier_wait(k_bar.at[0])               # dQ reads both warpgroups' K
       plgpu.barrier_wait(k_bar.at[1])
       plgpu.barrier_wait(v_bar.at[wg])
+      kpos = kseg = None
       if use_pos:
         kpos = plgpu.load(kpos_ref.at[pl.ds(k_base, bl)], layout=row, optimized=False)
       if has_seg:
@@ -244,17 +245,8 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
           lse2 = plgpu.load(ld_smem.at[slot, 0], layout=col, optimized=False)
           pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse2, st.shape, [1]))
           if use_mask:
-            q0 = qt * bl
-            qp = kp = qsg = ksg = None
-            if use_pos:
-              qpos = plgpu.load(qpos_ref.at[pl.ds(q0, bl)], layout=col, optimized=False)
-              kp = lax.broadcast_in_dim(kpos, (bl, bl), [0])
-              qp = lax.broadcast_in_dim(qpos, (bl, bl), [1])
-            if has_seg:
-              qseg = plgpu.load(qseg_ref.at[bi, pl.ds(q0, bl)], layout=col, optimized=False)
-              ksg = lax.broadcast_in_dim(kseg, (bl, bl), [0])
-              qsg = lax.broadcast_in_dim(qseg, (bl, bl), [1])
-            valid = base.pair_mask(qp, kp, qsg, ksg, causal=causal, window=window)
+            valid = common.backward_pair_mask(qt, kpos, kseg, qpos_ref, qseg_ref, bi, bl, col,
+                                              causal=causal, window=window)
             pt = jnp.where(valid, pt, 0.0)
           pt16 = pt.astype(dtype)
           if softcap is not None:

@@ -141,17 +141,8 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
           kvh * grp + g
 
     def mask(qt, kpos, kseg):
-      q0 = qt * bl
-      qp = kp = qsg = ksg = None
-      if use_pos:
-        qpos = plgpu.load(qpos_ref.at[pl.ds(q0, bl)], layout=col, optimized=False)
-        kp = lax.broadcast_in_dim(kpos, (bl, bl), [0])
-        qp = lax.broadcast_in_dim(qpos, (bl, bl), [1])
-      if has_seg:
-        qseg = plgpu.load(qseg_ref.at[bi, pl.ds(q0, bl)], layout=col, optimized=False)
-        ksg = lax.broadcast_in_dim(kseg, (bl, bl), [0])
-        qsg = lax.broadcast_in_dim(qseg, (bl, bl), [1])
-      return base.pair_mask(qp, kp, qsg, ksg, causal=causal, window=window)
+      return common.backward_pair_mask(qt, kpos, kseg, qpos_ref, qseg_ref, bi, bl, col,
+                                       causal=causal, window=window)
 
     def visit(step, carry):
       """step(g, qt, carry, use_mask) over the block's query heads and tiles, in order."""
