@@ -29,7 +29,9 @@ have completed. The memory warpgroup streams Q (with lse2, D) and dO through the
 of slots, each slot released by both compute warpgroups.
 
 Query tiles come from common.tile_plan on the transposed flags (key tiles in the role of
-query tiles): [lo, hi) are visited, [flo, fhi) without a mask. Rows with no valid key get
+query tiles): [lo, hi) are visited, [flo, fhi) without a mask (warpgroup 0 walks the
+masked runs and that one as separate loops; warpgroup 1, which never masks, walks [lo, hi)
+as one, in the same order). Rows with no valid key get
 lse2 = +inf (pT = 0 and every gradient 0); a NaN lse stays NaN. Warpgroup 0 applies the
 mask to pT; dsT = pT (dpT - D) is then 0 on every masked pair, since the kernel's V, dO and
 D are finite (kernels/base.py, guard_backward: a NaN reaches a backward kernel only through
@@ -144,19 +146,19 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
       return common.backward_pair_mask(qt, kpos, kseg, qpos_ref, qseg_ref, bi, bl, col,
                                        causal=causal, window=window)
 
-    def visit(step, carry):
-      """step(g, qt, carry, use_mask) over the block's query heads and tiles, in order."""
+    def visit(step, carry, split):
+      """step(g, qt, carry, use_mask) over the block's query heads and tiles, in order; with
+      split, the tiles that need the mask (before flo, from fhi) in loops of their own."""
       def run(g, start, stop, fn, cr):
         # from 0: a loop index starting at a loaded bound would not match its increment
         return lax.fori_loop(0, stop - start, lambda r, x: fn(g, start + r, x), cr)
 
       def head_loop(g, cr):
-        if masked:
-          cr = run(g, lo, flo, functools.partial(step, use_mask=True), cr)
+        if not split:
+          return run(g, lo, hi, functools.partial(step, use_mask=False), cr)
+        cr = run(g, lo, flo, functools.partial(step, use_mask=True), cr)
         cr = run(g, flo, fhi, functools.partial(step, use_mask=False), cr)
-        if masked:
-          cr = run(g, fhi, hi, functools.partial(step, use_mask=True), cr)
-        return cr
+        return run(g, fhi, hi, functools.partial(step, use_mask=True), cr)
 
       return lax.fori_loop(0, grp, head_loop, carry)
 
@@ -192,11 +194,12 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
 
       return pl.run_scoped(product, plgpu.ACC((bl, bl), jnp.float32))
 
-    def accumulate(step, cols, out_ref):
+    def accumulate(step, cols, out_ref, split):
       """step over the block's query tiles from a zero [64, cols] fp32 accumulator (dV or
       dK), stored to out_ref's rows of the block's key tile; then waits for the last dQ
       reduce-adds to leave shared memory."""
-      acc = visit(step, plgpu.layout_cast(jnp.full((bl, cols), 0.0, jnp.float32), layout))
+      acc = visit(step, plgpu.layout_cast(jnp.full((bl, cols), 0.0, jnp.float32), layout),
+                  split)
       out_ref.at[bi, pl.ds(k_base, bl), kvh][...] = acc
       plgpu.wait_smem_to_gmem(0)
 
@@ -243,7 +246,7 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
         dq_parts(qt, head, 0)
         return dv
 
-      accumulate(step, hv, dv_ref)
+      accumulate(step, hv, dv_ref, split=masked)
 
     @pl.when(wg == 1)
     def _gradients():
@@ -277,7 +280,7 @@ def _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan, *, scale: 
         dq_parts(qt, head, 1)
         return dk
 
-      accumulate(step, h, dk_ref)
+      accumulate(step, h, dk_ref, split=False)    # one loop: it never masks
 
     @pl.when(wg == 2)
     def _memory():
