@@ -230,6 +230,10 @@ def exit_promptly_on_error(command: str):
   except Exception:  # pylint: disable=broad-except  # the process boundary: report, then end
     if not several_processes():
       raise
+    if threading.current_thread() is threading.main_thread():
+      # Ending at once anyway: the launcher's SIGTERM (it stops the others as soon as one
+      # process is lost) must not cut the report short.
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)
     traceback.print_exc()
     _end_now(1, f"process {_joined.process_id} of {_joined.num_processes}: ending at once "
                 f"(status 1), without the runtime's shutdown barrier")
@@ -270,32 +274,47 @@ class PreemptionNotice:
   """SIGTERM (a scheduler's preemption notice, or the launcher stopping the job) as a step at
   which every process agrees to save and stop.
 
-  Several processes: JAX's distributed runtime turns SIGTERM into a preemption sync point;
-  `reached(step)` (jax.experimental.multihost_utils.reached_preemption_sync_point) returns
-  True on every process at the same step, a little after the notice. All processes must call
-  it at every step, with the same step numbers.
-  One process, or JAX's preemption service turned off (jax_enable_preemption_service): a
-  SIGTERM handler of our own sets a flag (restored on leaving the `with` block); with several
-  processes the flags are OR-ed across processes at every step (a small all-gather), so that
-  all of them stop at the same step.
+  A SIGTERM handler of our own sets a flag (the previous handler is restored on leaving the
+  `with` block, except when an error leaves it in a job of several processes: that error ends
+  the process, which a SIGTERM must not end first, see __exit__). With several processes the
+  flags are OR-ed across processes at every step (a small all-gather), so that all of them
+  stop at the same step; all processes must call `reached(step)` at every step. A process
+  whose peer is gone fails in that all-gather at once, as in any other collective
+  (exit_promptly_on_error).
+
+  Why not JAX's preemption service (jax_enable_preemption_service,
+  multihost_utils.reached_preemption_sync_point): on SIGTERM its protocol waits at a barrier
+  of the coordination service for every process (up to 3 minutes), holding the lock that
+  reached_preemption_sync_point takes. When the SIGTERM follows a lost process (the launcher
+  stops the others at once), that barrier never completes, and a process that asks after a
+  step whose collectives had all succeeded (a SIGKILL just after them) waits there instead of
+  failing in the next collective, until the launcher's SIGKILL --stop_timeout_s later. So
+  the jobs turn the service off before they join (train._configure_jax, check.main); JAX's
+  own SIGTERM handler is then never installed, and orbax's question
+  (CheckpointManager.reached_preemption) answers False.
 
   Use: `with PreemptionNotice() as notice: ... if notice.reached(step): save; stop`.
   """
 
   def __init__(self):
-    self._jax = jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
     self._signalled = False
     self._previous = None
 
   def __enter__(self) -> "PreemptionNotice":
-    if not self._jax and threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
     return self
 
-  def __exit__(self, *exc) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if self._previous is None:
+      return
+    if exc_type is not None and jax.process_count() > 1:
+      # The error ends this process (exit_promptly_on_error), and the launcher sends SIGTERM
+      # as soon as a peer is lost: the default action would end it before it has reported
+      # the error. This handler only sets a flag that nobody reads any more.
+      return
+    signal.signal(signal.SIGTERM, self._previous)
+    self._previous = None
 
   def _on_sigterm(self, signum, frame) -> None:
     del signum, frame
@@ -303,9 +322,8 @@ class PreemptionNotice:
 
   def reached(self, step: int) -> bool:
     """True when the job must save after `step` and stop (the same on every process)."""
+    del step          # every process asks at every step, so the all-gathers pair up
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    if self._jax:
-      return bool(multihost_utils.reached_preemption_sync_point(step))
     if jax.process_count() == 1:
       return self._signalled
     flags = multihost_utils.process_allgather(np.array([self._signalled]))

@@ -385,6 +385,11 @@ def _configure_jax(job: Job) -> "distributed.Processes":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", job.cpu_devices)
+  # SIGTERM is read by distributed.PreemptionNotice alone. JAX's preemption service would
+  # take it too, and its protocol, which waits for every process, would then hold up each
+  # step's question (PreemptionNotice.reached, orbax's save) when the SIGTERM follows a lost
+  # process: the survivor would wait for the launcher's SIGKILL instead of ending at once.
+  jax.config.update("jax_enable_preemption_service", False)
   # Joins the multi-process job under `ringflash launch` (RINGFLASH_* environment); there
   # RINGFLASH_DEVICES_PER_PROCESS overrides --cpu_devices. A no-op for a single process.
   return distributed.initialize()
