@@ -459,6 +459,46 @@ def test_rendezvous_refuses_disagreeing_processes():
   assert "process(es) 2 of 3 did not join" in str(errors["first"])
 
 
+def test_preemption_notice_agrees_through_its_own_flags(monkeypatch):
+  """Several processes: SIGTERM sets PreemptionNotice's own flag and `reached` OR-s the
+  processes' flags with an all-gather, whatever jax_enable_preemption_service says. JAX's
+  preemption sync point is never asked: on SIGTERM its protocol waits at a barrier for every
+  process, and after a lost process a survivor asking it waits there for the launcher's
+  SIGKILL instead of failing in its next collective."""
+  import jax                                      # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils    # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  gathered = []
+
+  def allgather(flags):
+    gathered.append(bool(flags[0]))
+    return np.stack([flags, np.array([False])])     # the other process saw no SIGTERM
+
+  def sync_point(step):
+    raise AssertionError(f"JAX's preemption sync point asked at step {step}")
+
+  monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+  monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", sync_point)
+  previous = signal.getsignal(signal.SIGTERM)
+  with distributed.PreemptionNotice() as notice:
+    assert not notice.reached(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.1)                                   # the handler runs between bytecodes
+    assert notice.reached(2)
+  assert gathered == [False, True]
+  assert signal.getsignal(signal.SIGTERM) is previous
+
+  # An error leaving the block ends the process (exit_promptly_on_error), which the
+  # launcher's SIGTERM must not end first: the handler stays.
+  try:
+    with pytest.raises(RuntimeError, match="peer lost"):
+      with distributed.PreemptionNotice():
+        raise RuntimeError("peer lost")
+    assert signal.getsignal(signal.SIGTERM) is not previous
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
 # ---------------------------------------------------------------------------------------------
 # TPU: the constructed commands.
 

@@ -476,8 +476,9 @@ def test_two_processes_save_and_resume_match_straight_run(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_save_on_sigterm_at_the_same_step(tmp_path):
-  """SIGTERM to the launcher: it passes SIGTERM on; JAX's preemption sync point gives both
-  processes the same step, both take part in its save, and both exit with status 143."""
+  """SIGTERM to the launcher: it passes SIGTERM on; PreemptionNotice's all-gather of the
+  processes' SIGTERM flags gives both the same step, both take part in its save, and both
+  exit with status 143."""
   command = [sys.executable, "-m", "ringflash.cli", "launch", "local", "--processes", "2",
              "--devices-per-process", "4", "--log_dir", str(tmp_path / "logs"),
              "--init_timeout_s", "120", "--stop_timeout_s", "60", "--", "train", *SMALL,
