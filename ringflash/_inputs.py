@@ -141,9 +141,9 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
   q_ok = jnp.broadcast_to(q_pos < call.t if t_len > call.t else True, (b, t_len))
   k_ok = jnp.broadcast_to(k_pos < call.s if s_len > call.s else True, (b, s_len))
   if q_lengths is not None:
-    q_ok = q_ok & (q_pos[None, :] < _rows(jnp.asarray(q_lengths, jnp.int32), lead)[:, None])
+    q_ok = q_ok & (q_pos[None, :] < _rows(jnp.asarray(_validate.int32_clipped(q_lengths)), lead)[:, None])
   if kv_lengths is not None:
-    k_ok = k_ok & (k_pos[None, :] < _rows(jnp.asarray(kv_lengths, jnp.int32), lead)[:, None])
+    k_ok = k_ok & (k_pos[None, :] < _rows(jnp.asarray(_validate.int32_clipped(kv_lengths)), lead)[:, None])
   # Inside a caller's shard_map, ids made from replicated lengths alone vary over no mesh
   # axis: typed like the rows they mask, so that the ring can carry them with K and V.
   return (q, k, v, base.match_vma(jnp.where(q_ok, q_ids, PAD_Q).astype(jnp.int32), q),
@@ -171,13 +171,18 @@ def _sink_weight(lse, sink):
   """(w = exp(lse - lse'), 1 - w = exp(sink - lse'), lse') per row [B, N, T]: w = 0,
   1 - w = 1 and lse' = -inf for a row without a key; all NaN for a row whose lse is NaN.
   1 - w is evaluated as its own exponential: as 1 - w it would lose every digit when the
-  sink's share is below float32's epsilon, and with them the sink's gradient."""
+  sink's share is below float32's epsilon, and with them the sink's gradient.
+  A sink of +inf is a non-finite logit that every row with a key sees: all three NaN there,
+  as a softmax over the scores and the sink gives (exp(inf - inf)); the formulas alone
+  would give w = 0, an output of 0 whose gradient is NaN."""
   none = lse == -jnp.inf
   lse_safe = jnp.where(none, 0.0, lse)
   total = jnp.where(none, -jnp.inf, jnp.logaddexp(lse_safe, sink))
   total_safe = jnp.where(none, 0.0, total)
   weight = jnp.where(none, 0.0, jnp.exp(lse_safe - total_safe))
   rest = jnp.where(none, 1.0, jnp.exp(sink - total_safe))
+  infinite = (sink == jnp.inf) & ~none
+  weight, rest, total = (jnp.where(infinite, jnp.nan, x) for x in (weight, rest, total))
   return weight, rest, total
 
 

@@ -26,13 +26,36 @@ def seq_axes(shape, axis_name) -> _validate.SeqAxes:
   return _validate.SeqAxes(tuple(names), tuple(int(shape[a]) for a in names))
 
 
-def varying(x) -> bool:
-  """Whether x is typed by the mesh axes it varies over (shard_map with check_vma=True)."""
+def varying_axes(x) -> frozenset:
+  """The mesh axes x is typed as varying over (empty outside shard_map, or with
+  check_vma=False, where nothing is typed)."""
   aval = jax.typeof(x)
   vma = getattr(aval, "vma", None)
   if vma is None:
     vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-  return bool(vma)
+  return frozenset(vma)
+
+
+def varying(x) -> bool:
+  """Whether x is typed by the mesh axes it varies over (shard_map with check_vma=True)."""
+  return bool(varying_axes(x))
+
+
+def check_sequence_sharded(names: tuple[str, ...], **arrays) -> None:
+  """Inside shard_map with check_vma=True, each array must vary over every sequence axis: a
+  key replicated over the ring (in_specs without the axis) would be taken as each device's
+  own slice of the sequence, and the result would be silently wrong. Nothing is typed with
+  check_vma=False, and nothing is checked."""
+  typed = {name: varying_axes(x) for name, x in arrays.items()}
+  if not any(typed.values()):
+    return
+  for name, axes in typed.items():
+    missing = [a for a in names if a not in axes]
+    if missing:
+      raise ValueError(
+          f"{name} does not vary over mesh axis {missing[0]!r} of axis_name: "
+          f"ring_attention_sharded takes each device's own slice of the sequence, so "
+          f"shard_map's in_specs must shard {name}'s sequence dim over axis_name")
 
 
 def current_platform():

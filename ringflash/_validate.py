@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -93,10 +94,36 @@ def array_shape(x, name):
   return tuple(shape), jnp.dtype(dtype)
 
 
+INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+
+
+def int32_clipped(x, lower: int = 0, upper: int = INT32_MAX):
+  """An integer array of lengths or positions as int32, clipped to [lower, upper] in its own
+  dtype first, so that a value past int32's range (int64, uint32) keeps its meaning (a
+  length past int32 still means "every position") instead of the wrapped value that a plain
+  conversion gives: jnp.asarray wraps NumPy's int64 without a word, and so does a jit
+  boundary. NumPy arrays and scalars are clipped on the host, before anything converts
+  them; anything that is not an integer array is returned as it is, for validation to name.
+  With the default bounds, negative lengths mean 0, as in jax.nn."""
+  if isinstance(x, (np.ndarray, np.generic)):
+    if not np.issubdtype(x.dtype, np.integer):
+      return x
+    info = np.iinfo(x.dtype)
+    return np.clip(x, max(info.min, lower), min(info.max, upper)).astype(np.int32)
+  if getattr(x, "dtype", None) is None or not jnp.issubdtype(x.dtype, jnp.integer):
+    return x
+  info = jnp.iinfo(x.dtype)
+  return jnp.clip(x, max(info.min, lower), min(info.max, upper)).astype(jnp.int32)
+
+
 def positive_number(name, value):
   if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
     raise ValueError(f"{name} must be a Python number, got {type(value).__name__}")
-  value = float(value)
+  try:
+    value = float(value)
+  except OverflowError:                     # an int past float's range
+    raise ValueError(f"{name} must be finite and > 0, got an integer of "
+                     f"{int(value).bit_length()} bits") from None
   if not math.isfinite(value) or value <= 0:
     raise ValueError(f"{name} must be finite and > 0, got {value}")
   return value
@@ -268,6 +295,30 @@ def _check_segments(segment_ids, lead, t, s) -> bool:
     if not jnp.issubdtype(dtype, jnp.integer):
       raise ValueError(f"{name} must have an integer dtype, got {dtype}")
   return True
+
+
+def check_segment_values(segment_ids) -> None:
+  """Segment ids the caller holds concretely must lie strictly inside int32's range (its two
+  ends mark padding, and a wider dtype would wrap on conversion, merging segments): checked
+  for NumPy arrays, and for concrete JAX arrays of a dtype wider than int32 (a copy to the
+  host, only for those). Traced ids cannot be read; the docstring states the rule."""
+  pairs = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids,)
+  for ids in pairs:
+    if isinstance(ids, (np.ndarray, np.generic)):
+      host = ids
+    elif (isinstance(ids, jax.Array) and not isinstance(ids, jax.core.Tracer)
+          and jnp.issubdtype(ids.dtype, jnp.integer)
+          and jnp.iinfo(ids.dtype).bits >= 32 and ids.dtype != jnp.int32
+          and ids.is_fully_addressable):
+      host = np.asarray(ids)
+    else:
+      continue
+    if not np.issubdtype(host.dtype, np.integer) or host.size == 0:
+      continue                                          # named by _check_segments
+    low, high = int(host.min()), int(host.max())
+    if low <= INT32_MIN or high >= INT32_MAX:
+      raise ValueError(f"segment_ids must lie strictly between {INT32_MIN} and {INT32_MAX} "
+                       f"(the ends of int32 mark padding), got ids from {low} to {high}")
 
 
 def tile_units(layout: str, bidirectional: bool, ring_size: int, q_len: int,

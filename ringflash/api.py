@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 
 import jax
 import numpy as np
@@ -67,12 +68,14 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
       directions (both links of a bidirectional ring busy, half the bytes on each); same
       result. A window that already shortens the ring keeps its own schedule.
     sinks: None or [N] float: per query head, a logit that joins every row's softmax
-      denominator once and carries no value (gpt-oss); differentiable.
+      denominator once and carries no value (gpt-oss); differentiable. A sink of +inf makes
+      every row with a key NaN; -inf is no sink.
     logits_soft_cap: None or cap > 0: scores become cap * tanh(scale * q.k / cap) before
       masking (Gemma 2).
-    query_seq_lengths, key_value_seq_lengths: None or [...] int32 per batch row: keys at or
+    query_seq_lengths, key_value_seq_lengths: None or [...] int per batch row: keys at or
       past the length are masked, query rows at or past it give 0; whole tiles and ring
-      hops past the lengths are skipped.
+      hops past the lengths are skipped. Clipped to [0, 2**31 - 1] in their own dtype
+      before they become int32.
     strategy: "auto" (ringflash.explain shows the choice), "ring" (K/V blocks around the
       devices, overlapped with the kernels), "allgather" (all K/V gathered, one kernel call),
       "ulysses" (all-to-all sequence <-> heads, needs N divisible by the devices) or
@@ -108,7 +111,9 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
                      local_window_size=_mesh.frozen(local_window_size),
                      bidirectional=bidirectional, logits_soft_cap=logits_soft_cap,
                      strategy=strategy)
-  arrays = (query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths, sinks)
+  _validate.check_segment_values(segment_ids)
+  arrays = (query, key, value, segment_ids, _validate.int32_clipped(query_seq_lengths),
+            _validate.int32_clipped(key_value_seq_lengths), sinks)
   try:
     fn = _program(mesh, batch, heads, options, _validate.option_types(options))
   except TypeError:       # an unhashable option: no cache; validation names it
@@ -130,6 +135,10 @@ def explain(query, key, value, *, mesh: Mesh | None = None, axis_name="sp", **op
     ValueError, NotImplementedError: as ring_attention would.
   """
   from ringflash.parallel import cost  # pylint: disable=g-import-not-at-top
+  unknown = sorted(set(options) - set(inspect.signature(ring_attention).parameters))
+  if unknown:
+    raise TypeError(f"explain() got an unexpected keyword argument {unknown[0]!r} (it takes "
+                    f"ring_attention's)")
   axis_name = _mesh.frozen(axis_name)
   if mesh is None:
     mesh = _default_mesh(axis_name)
@@ -303,6 +312,8 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
                      f"ring_attention_sharded inside shard_map over it") from err
   axes = _validate.SeqAxes(names, sizes)
   ring_size = axes.size
+  _validate.check_segment_values(segment_ids)
+  _mesh.check_sequence_sharded(names, query=query, key=key, value=value)
   platform, device = _mesh.current_platform()
   call = _validate.check_call(
       query, key, value, segment_ids=segment_ids, scale=scale, backend=backend,

@@ -56,7 +56,7 @@ def decode_attention(query, key_cache, value_cache, *, cache_lengths, mesh: Mesh
     value_cache: [B, S_max, K, Hv].
     cache_lengths: [B] int: valid length of each row, the new tokens included (their K/V
       are already in the cache). A row of length < t has queries at negative positions: they
-      see nothing.
+      see nothing. Values past +-2**30 count as +-2**30 (caches hold fewer slots).
     mesh: the device mesh.
     axis_name: the mesh axis (or tuple of axes, first major) the cache's sequence is sharded
       over.
@@ -70,7 +70,7 @@ def decode_attention(query, key_cache, value_cache, *, cache_lengths, mesh: Mesh
     block_sizes: the backend's tile configuration (ringflash.XlaBlockSizes, ...), or None.
     cache_positions: None (slot s holds position s) or [B, S_max] int: the position of each
       slot, sharded like the caches; a free slot holds a position >= its row's length
-      (ringflash.KVCache keeps this array).
+      (ringflash.KVCache keeps this array). Positions at or past 2**30 count as free.
     return_residual: also return lse [B, N, t] float32 (with sinks: including them).
     strategy: "reduce" (the above), or the baselines "allgather" (every device gathers the
       whole cache) and "ring" (shards rotate around the ring), same result.
@@ -109,6 +109,18 @@ class _Options:
   guarded: bool
 
 
+def _clipped_lengths(cache_lengths):
+  """cache_lengths as int32 in [-EMPTY, EMPTY] (_validate.int32_clipped): a longer row has
+  every slot in range and its queries stay before EMPTY, the position of a free slot; the
+  mask's arithmetic on the queries' positions stays inside int32."""
+  return _validate.int32_clipped(cache_lengths, -decode_parallel.EMPTY, decode_parallel.EMPTY)
+
+
+def _clipped_positions(cache_positions):
+  """cache_positions as int32, a position at or past EMPTY counting as EMPTY (free)."""
+  return _validate.int32_clipped(cache_positions, _validate.INT32_MIN, decode_parallel.EMPTY)
+
+
 def run(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, *, mesh,
         options: _Options, batch_axis=False):
   """decode_attention with its options gathered (also what KVCache.attention calls).
@@ -132,7 +144,8 @@ def run(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, *,
   except TypeError:         # an unhashable option: no cache; validation names it
     fn = functools.partial(_decode, mesh=mesh, batch=batch, heads=heads, options=options)
   try:
-    return fn(query, key_cache, value_cache, cache_lengths, cache_positions, sinks)
+    return fn(query, key_cache, value_cache, _clipped_lengths(cache_lengths),
+              _clipped_positions(cache_positions), sinks)
   except TypeError as err:
     if "forward-mode" not in str(err):
       raise
@@ -306,9 +319,9 @@ def _decode(query, key_cache, value_cache, cache_lengths, cache_positions, sinks
   cache_spec = P(batch, options.axis_name, heads, None)
   q_spec = P(batch, None, heads, None)
   row_spec = P(batch)
-  lengths = jnp.asarray(cache_lengths).astype(jnp.int32)
+  lengths = jnp.asarray(_clipped_lengths(cache_lengths))
   positions = (None if cache_positions is None
-               else jnp.asarray(cache_positions).astype(jnp.int32))
+               else jnp.asarray(_clipped_positions(cache_positions)))
   local = functools.partial(decode_parallel.decode_local, spec=spec)
   # Pallas interpret mode (CPU devices) cannot type values by mesh axes; the baselines'
   # results are the same on every device but typed as varying over the axis.

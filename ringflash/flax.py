@@ -47,6 +47,7 @@ import functools
 
 from jax.sharding import Mesh
 
+from ringflash import _validate
 from ringflash.api import ring_attention
 
 
@@ -84,8 +85,7 @@ def flax_attention_fn(*, mesh: Mesh | None = None, axis_name: str = "sp",
     ValueError: is_causal is not a bool.
     ImportError: flax is not installed.
   """
-  if not isinstance(is_causal, bool):
-    raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+  is_causal = _validate.check_flag("is_causal", is_causal)
   flax_promote_dtype = _flax_promote_dtype()
   ring = functools.partial(
       ring_attention, mesh=mesh, axis_name=axis_name, scale=scale, backend=backend,
@@ -102,8 +102,7 @@ def flax_attention_fn(*, mesh: Mesh | None = None, axis_name: str = "sp",
     del broadcast_dropout, dropout_rng, precision     # dropout refused; precision met
     _refuse(bias=bias, mask=mask, dropout_rate=dropout_rate, deterministic=deterministic,
             module=module, input_positions=input_positions)
-    if not isinstance(is_causal, bool):
-      raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+    is_causal = _validate.check_flag("is_causal", is_causal)
     promote = flax_promote_dtype if promote_dtype is None else promote_dtype
     query, key, value = promote((query, key, value), dtype=dtype)
     return ring(query, key, value, is_causal=causal_option or is_causal)

@@ -151,7 +151,8 @@ class KVCache:
         is padded inside to the next length that fits (which must fit max_len); the
         padding's slots stay free.
       lengths: None (every row has T tokens) or [B] int: tokens of each row (a padded
-        batch); slots at or past a row's length stay free. Values above T count as T.
+        batch); slots at or past a row's length stay free. Values above T count as T, negative
+        ones as 0.
       layout: "contiguous", "zigzag" or "striped": which positions device i's rows are.
 
     Returns:
@@ -185,6 +186,7 @@ class KVCache:
       shape, dtype = _validate.array_shape(lengths, "lengths")
       if shape != (b,) or not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(f"lengths must be a [B] = ({b},) integer array, got {shape} {dtype}")
+      lengths = _validate.int32_clipped(lengths, 0, t)
     fn = _prefill_program(self.mesh, self.axis_name, self.batch_axis, layout, t, padded)
     return fn(self, k, v, lengths)
 
@@ -275,7 +277,7 @@ def _prefill_program(mesh: Mesh, axis_name, batch_axis, layout: str, t: int, pad
                      out_specs=(shard.seq_spec, shard.seq_spec, shard.slot_spec))
 
   def prefill(cache: KVCache, k, v, lengths):
-    lengths = jnp.minimum(jnp.asarray(lengths).astype(jnp.int32), t)
+    lengths = jnp.asarray(_validate.int32_clipped(lengths, 0, t))
     if rows is not None:
       k, v = (_inputs.regather(x, *rows) for x in (k, v))
     args = (cache.k, cache.v, k, v, lengths)

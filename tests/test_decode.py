@@ -159,6 +159,25 @@ def test_rows_without_a_key_give_zero():
   assert bool(jnp.all(jnp.isfinite(out[1])))
 
 
+def test_lengths_and_positions_past_int32_keep_their_meaning():
+  """cache_lengths of int64 2**32 + 20 or uint32 2**31 + 20 mean "every slot" (they wrapped to
+  20 or below 0); a cache position of int64 2**32 + 3 is a free slot (it wrapped to 3, a slot
+  the row then saw)."""
+  mesh = helpers.mesh_of(2)
+  q, key, v = _inputs(11, 2, 1, 32, 2, 1, 8)
+  ref = _reference(q, key, v, jnp.array([32, 32]))
+  for lengths in (np.array([2**32 + 20, 32], np.int64), np.array([2**31 + 20, 2**32 - 1],
+                                                                 np.uint32)):
+    _close(ringflash.decode_attention(q, *_sharded(mesh, key, v), cache_lengths=lengths,
+                                      mesh=mesh, return_residual=True), ref)
+  positions = np.tile(np.arange(32, dtype=np.int64), (2, 1))
+  positions[:, 5] = 2**32 + 3
+  lengths = jnp.array([20, 20])
+  got = ringflash.decode_attention(q, *_sharded(mesh, key, v), cache_lengths=lengths,
+                                   cache_positions=positions, mesh=mesh, return_residual=True)
+  _close(got, _reference(q, key, v, lengths, positions=np.where(positions > 40, 99, positions)))
+
+
 def test_non_finite_in_an_unseen_slot_never_reaches_a_token():
   mesh = helpers.mesh_of(4)
   q, key, v = _inputs(5, 2, 1, 64, 4, 2, 16)
@@ -269,6 +288,20 @@ def test_cache_positions_follow_the_slot_order():
   np.testing.assert_array_equal(per_device[:, :4], [[0, 1, 8, 12], [2, 3, 9, EMPTY],
                                                     [4, 5, 10, EMPTY], [6, 7, 11, EMPTY]])
   np.testing.assert_array_equal(np.asarray(cache.k)[0].reshape(4, 8, 1, 8)[1, 2], key[0, 9])
+
+
+def test_cache_prefill_lengths_are_clipped_to_the_prompt():
+  """Prefill lengths count as 0 .. T: a negative one no longer gives the next token a
+  negative position, and one past int32 no longer wraps."""
+  mesh = helpers.mesh_of(2)
+  _, key, v = _inputs(12, 3, 1, 8, 2, 1, 8)
+  cache = ringflash.KVCache.create(3, 16, 1, 8, mesh=mesh, dtype=jnp.float32)
+  cache = cache.prefill(*_sharded(mesh, key, v),
+                        lengths=np.array([-1, 2**32 + 3, 5], np.int64))
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [0, 8, 5])
+  cache = cache.append(key[:, :1], v[:, :1])
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [1, 9, 6])
+  assert np.asarray(cache.positions).min() >= 0
 
 
 def test_cache_prefill_in_the_zigzag_layout():

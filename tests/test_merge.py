@@ -129,3 +129,25 @@ def test_sinks_keep_the_nonfinite_rule():
   d_out, d_lse, d_sinks = vjp((jnp.ones_like(out), jnp.zeros_like(lse)))
   assert np.all(np.isnan(np.asarray(d_out)[0, 1, 0])) and np.isnan(np.asarray(d_lse)[0, 0, 1])
   assert np.isnan(np.asarray(d_sinks)[0]) and np.isfinite(np.asarray(d_sinks)[1])
+
+
+def test_an_infinite_sink_is_nan_in_every_row_with_a_key_forward_and_backward():
+  """A sink of +inf is a non-finite logit every row with a key sees: its rows are NaN forward
+  (out and lse), as a softmax over the scores and the sink gives, and backward (the formulas
+  alone gave an output of 0 whose gradients were NaN). Rows without a key stay 0 / -inf; a
+  sink of -inf is no sink; a zero cotangent still carries nothing back."""
+  out = jnp.ones((1, 3, 2, 2), jnp.float32)
+  lse = jnp.zeros((1, 2, 3), jnp.float32).at[0, 0, 2].set(-jnp.inf)
+  sinks = jnp.array([jnp.inf, -jnp.inf], jnp.float32)
+  (o, l), vjp = jax.vjp(_inputs.add_sinks, out, lse, sinks)
+  o, l = np.asarray(o), np.asarray(l)
+  assert np.all(np.isnan(o[0, :2, 0])) and np.all(np.isnan(l[0, 0, :2]))
+  assert np.all(o[0, 2, 0] == 0) and l[0, 0, 2] == -np.inf
+  np.testing.assert_array_equal(o[0, :, 1], np.asarray(out)[0, :, 1])    # -inf: no sink
+  np.testing.assert_array_equal(l[0, 1], np.asarray(lse)[0, 1])
+  d_out, d_lse, d_sinks = vjp((jnp.ones_like(out), jnp.ones_like(lse)))
+  assert np.all(np.isnan(np.asarray(d_out)[0, :2, 0])) and np.isnan(np.asarray(d_sinks)[0])
+  assert np.all(np.isnan(np.asarray(d_lse)[0, 0, :2]))
+  assert np.all(np.isfinite(np.asarray(d_out)[0, :, 1])) and np.asarray(d_sinks)[1] == 0
+  quiet = vjp((jnp.zeros_like(out).at[0, :, 1].set(1.0), jnp.zeros_like(lse)))
+  assert all(np.all(np.isfinite(np.asarray(g))) for g in quiet)

@@ -188,3 +188,72 @@ def test_forward_mode_is_a_clear_error_eager_and_under_jit():
   for run in (lambda: jax.jvp(f, (q,), (q,)), lambda: jax.jit(lambda q: jax.jvp(f, (q,), (q,)))(q)):
     with pytest.raises(NotImplementedError, match="forward mode"):
       run()
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+def test_lengths_past_int32_mean_every_position_not_a_wrapped_one(backend):
+  """Lengths of a wider dtype are clipped in that dtype before becoming int32: int64 2**32 + 3
+  or uint32 2**31 + 5 used to wrap to 3 or to a negative length (a silently wrong answer)."""
+  q, key, v, _ = helpers.inputs(1, 2, 16, 16, 2, 1, 8, F32)
+  mesh = helpers.mesh_of(2)
+  ref, _ = helpers.oracle.attention(q, key, v, q_lengths=np.array([16, 5]),
+                                    kv_lengths=np.array([16, 7]))
+  for q_len, kv_len in ((np.array([2**32 + 3, 5], np.int64), np.array([2**32, 7], np.uint64)),
+                        (np.array([2**31 + 5, 5], np.uint32), np.array([2**40, 7]))):
+    for lengths in ((q_len, kv_len), (jnp.asarray(q_len.astype(np.uint32)) if
+                                       q_len.dtype == np.uint32 else q_len, kv_len)):
+      out = ringflash.ring_attention(q, key, v, mesh=mesh, backend=backend,
+                                     query_seq_lengths=lengths[0],
+                                     key_value_seq_lengths=lengths[1])
+      assert helpers.max_err(out, ref) <= helpers.fp32_tol(ref), (q_len, kv_len)
+
+
+@pytest.mark.parametrize("ids", [
+    np.array([[0] * 8 + [2**32] * 8], np.int64),          # would wrap onto id 0
+    np.array([[2**31] * 16], np.uint32),                  # would wrap onto the padding id
+    (np.zeros((1, 16), np.int32), np.full((1, 16), np.iinfo(np.int32).min, np.int32)),
+    jnp.full((1, 16), 2**31, jnp.uint32),
+])
+def test_segment_ids_outside_int32_are_an_error_naming_them(ids):
+  q, key, v = _arrays(t=16, s=16)
+  with pytest.raises(ValueError, match="segment_ids must lie strictly between"):
+    ringflash.ring_attention(q, key, v, mesh=helpers.mesh_of(2), segment_ids=ids)
+
+
+@pytest.mark.parametrize("ring", [2, 4])
+def test_sharded_entry_refuses_keys_replicated_over_the_ring(ring):
+  """K/V replicated over axis_name (in_specs without it) were taken as each device's slice:
+  a silently wrong answer on 2 devices, a raw scan TypeError on 4. Now one ValueError."""
+  q, key, v = _arrays(t=16, s=16)
+  for specs, name in (((P(None, "sp"), P(), P()), "key"), ((P(None, "sp"),) * 2 + (P(),),
+                                                           "value")):
+    fn = jax.shard_map(
+        lambda q, k, v: ringflash.ring_attention_sharded(q, k, v, axis_name="sp"),
+        mesh=helpers.mesh_of(ring), in_specs=specs, out_specs=P(None, "sp"))
+    with pytest.raises(ValueError, match=f"{name} does not vary over mesh axis 'sp'"):
+      fn(q, key, v)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+def test_huge_scores_stay_finite(backend):
+  """Scores near 1e9 and beyond: the max and the exponent see one copy of the scores (XLA had
+  recomputed the product in each consumer's fusion, rounded differently: NaN)."""
+  q, key, v, _ = helpers.inputs(2, 1, 16, 16, 2, 1, 8, F32)
+  mesh = helpers.mesh_of(1)
+  for scale in (1e9, 1e20):
+    ref, _ = helpers.oracle.attention(q, key, v, scale=scale)
+    out, grad = jax.value_and_grad(lambda q: ringflash.ring_attention(
+        q, key, v, mesh=mesh, scale=scale, backend=backend).sum())(q)
+    got = ringflash.ring_attention(q, key, v, mesh=mesh, scale=scale, backend=backend)
+    assert helpers.max_err(got, ref) <= helpers.fp32_tol(ref), scale
+    assert np.isfinite(float(out)) and np.all(np.isfinite(np.asarray(grad))), scale
+
+
+def test_numbers_past_float_and_unknown_explain_options_are_named():
+  q, key, v = _arrays()
+  mesh = helpers.mesh_of(2)
+  for name in ("scale", "logits_soft_cap"):
+    with pytest.raises(ValueError, match=f"{name} must be finite and > 0"):
+      ringflash.ring_attention(q, key, v, mesh=mesh, **{name: 10**400})
+  with pytest.raises(TypeError, match="explain\\(\\) got an unexpected keyword argument 'foo'"):
+    ringflash.explain(q, key, v, mesh=mesh, foo=1)
