@@ -381,8 +381,13 @@ class _Tile:
                           causal=self.spec.causal, window=self.spec.window)
 
   def scores(self, a, b):
-    """fp32 capped(scale * a b^T): [rows of a, rows of b]."""
-    return base.capped(self.mm(a, b, transpose_b=True) * self.spec.scale, self.spec)
+    """fp32 capped(scale * a b^T): [rows of a, rows of b].
+
+    Interpreted (CPU), XLA may recompute the product inside each consumer's fusion (the max,
+    the exponent), summed in another order: at scores near 1e9 the roundings differ by more
+    than exp's range. The barrier keeps one copy; Mosaic computes the tile once anyway."""
+    s = base.capped(self.mm(a, b, transpose_b=True) * self.spec.scale, self.spec)
+    return lax.optimization_barrier(s) if self.spec.interpret else s
 
   def mm(self, a, b, transpose_b=False):
     """fp32 a b, or a b^T."""

@@ -105,6 +105,10 @@ def forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
         # Masked pairs get -inf by a `where`: a NaN score of a key this row does not see
         # (kernels/base.py, guard_kv) never reaches it.
         sc = jnp.where(valid[:, None, None], sc, -jnp.inf)
+        # One copy of the scores for the max and the exponent: XLA may otherwise recompute the
+        # product inside each consumer's fusion, summed in another order, and at scores near
+        # 1e9 the two roundings differ by more than exp's range (sc - m > 88: inf, then NaN).
+        sc = lax.optimization_barrier(sc)
         m_new = jnp.maximum(m, sc.max(axis=-1))
         # A row with no valid key so far keeps m = -inf; shift it by 0 so that no
         # (-inf) - (-inf) appears: its p and alpha are then exactly 0. A NaN max stays NaN.
