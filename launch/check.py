@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 import ringflash
 from ringflash import reference as dense
 from ringflash.cli import UsageError
+from ringflash.cli import define_float
 from ringflash.launch import distributed
 
 FLAGS = flags.FLAGS
@@ -53,8 +54,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                        lower_bound=0, **fv)
   flags.DEFINE_integer("repeat", 1, "forward+backward passes; the last one is verified",
                        lower_bound=1, **fv)
-  flags.DEFINE_float("tolerance", 1e-4, "largest accepted error, relative to "
-                     "max(1, max |reference|), per output; > 0", **fv)
+  define_float("tolerance", 1e-4, "largest accepted error, relative to "
+               "max(1, max |reference|), per output; > 0", **fv)
   flags.DEFINE_string("out_dir", "", "if set, each process writes the values it "
                       "holds to OUT_DIR/process_<id>.npz (NaN where not held)", **fv)
 
@@ -86,8 +87,10 @@ class Job:
   out_dir: str
 
 
-def job_from_flags(values: flags.FlagValues = FLAGS) -> Job:
-  """Every flag of `ringflash check`, checked; nothing is touched (no device, no file).
+def job_from_flags(values: flags.FlagValues = FLAGS, *, folders: bool = True) -> Job:
+  """Every flag of `ringflash check`, checked; no device is touched. --out_dir, checked last,
+  is created (the only way to know it can be); folders=False skips that check, for a job
+  that runs on other machines (`launch tpu`), whose folders are theirs.
 
   absl's bounds have refused non-positive sizes while parsing. What needs the device count
   is check_devices, what needs ring attention's own rules is check_shapes.
@@ -100,7 +103,7 @@ def job_from_flags(values: flags.FlagValues = FLAGS) -> Job:
     raise UsageError(f"--heads={v.heads} must be a multiple of --kv_heads={v.kv_heads}")
   if not v.tolerance > 0:
     raise UsageError(f"--tolerance must be > 0, got {v.tolerance}")
-  if v.out_dir:
+  if v.out_dir and folders:
     problem = distributed.directory_problem(v.out_dir)
     if problem:
       raise UsageError(f"--out_dir={v.out_dir}: {problem}")

@@ -53,11 +53,11 @@ def define_flags() -> None:
   flags.DEFINE_enum("platform", "cpu", list(local.PLATFORMS),
                     "local: cpu (simulated devices, gloo) or gpu (M of this machine's GPUs "
                     "per process, NCCL)")
-  flags.DEFINE_float(
+  ringflash_cli.define_float(
       "stop_timeout_s", 10.0, "local: once a process is lost, the others get SIGTERM, and "
       "SIGKILL if still alive this many seconds later", lower_bound=0.0)
-  flags.DEFINE_float("timeout_s", 0.0, "local: stop the whole job after this many "
-                     "seconds (a failure); 0: no limit", lower_bound=0.0)
+  ringflash_cli.define_float("timeout_s", 0.0, "local: stop the whole job after this many "
+                             "seconds (a failure); 0: no limit", lower_bound=0.0)
   flags.DEFINE_integer("port", 0, "local: coordinator port on 127.0.0.1; 0 picks a "
                        "free one", lower_bound=0, upper_bound=65535)
   # tpu
@@ -107,7 +107,8 @@ def check_job(job: list[str], *, devices: int | None) -> None:
   Args:
     job: the subcommand and its arguments, e.g. ["train", "--steps", "10"].
     devices: the job's global device count if known (local: processes x devices per
-      process), for the checks that need it; None skips them (tpu).
+      process), for the checks that need it; None skips them, and the checks of the job's
+      folders, which belong to the machines that run it (tpu).
 
   Raises:
     UsageError: the job is not a ringflash subcommand, or (check, train) one of its flags
@@ -132,7 +133,7 @@ def check_job(job: list[str], *, devices: int | None) -> None:
     rest = values([name, *job[1:]])
     if len(rest) > 1:
       raise UsageError(f"takes flags only, got the argument(s) {' '.join(rest[1:])}")
-    parsed = module.job_from_flags(values)
+    parsed = module.job_from_flags(values, folders=devices is not None)
     if devices is not None:
       module.check_devices(parsed.config, devices)
   except (flags.Error, UsageError) as err:
@@ -146,10 +147,20 @@ def _check_targets_flags(target: str) -> None:
       raise UsageError(f"--{given[0]} is a flag of `launch {other}`, not `launch {target}`")
 
 
-def _check_dir(name: str, path: str) -> None:
+def _check_dir(name: str, path: str, *, keep: bool = True) -> None:
+  """The last check before anything starts, as checking a directory creates it; with
+  keep=False (a dry run, which writes nothing) the folders it created are removed again."""
+  missing = []                  # the folders the check creates, innermost first
+  folder = os.path.abspath(path)
+  while not os.path.exists(folder):
+    missing.append(folder)
+    folder = os.path.dirname(folder)
   problem = distributed.directory_problem(path)
   if problem:
     raise UsageError(f"--{name}={path}: {problem}")
+  if not keep:
+    for folder in missing:
+      os.rmdir(folder)
 
 
 def main(argv) -> None:
@@ -159,9 +170,9 @@ def main(argv) -> None:
   target, job = argv[1], list(argv[2:]) or list(DEFAULT_JOB)
   _check_targets_flags(target)
   folder = log_dir(target)
-  _check_dir("log_dir", folder)
   if target == "local":
     check_job(job, devices=FLAGS.processes * FLAGS.devices_per_process)
+    _check_dir("log_dir", folder)
     try:
       status = local.launch(job, processes=FLAGS.processes,
                             devices_per_process=FLAGS.devices_per_process,
@@ -190,8 +201,7 @@ def main(argv) -> None:
                         workers=tpu.count_workers(where))
     except ValueError as err:
       raise UsageError(str(err)) from None
+  _check_dir("log_dir", folder, keep=not FLAGS.dry_run)
   plan = tpu.steps(where, job, source_dir=source_dir, log_dir=folder,
                    init_timeout_s=FLAGS.init_timeout_s, python=FLAGS.python)
-  if not FLAGS.dry_run:
-    os.makedirs(folder, exist_ok=True)
   sys.exit(tpu.launch(plan, dry_run=FLAGS.dry_run, terminal=sys.stdout))

@@ -334,20 +334,33 @@ def directory_problem(path: str) -> str | None:
   """Why `path` cannot be (or become) a directory this process writes into, or None.
 
   Checked before any work, for directory flags (--checkpoint_dir, --out_dir, --log_dir): the
-  path itself or its nearest existing ancestor must be a writable directory.
+  path itself or its nearest existing ancestor must be a writable directory, and then the
+  directory is created (if missing) and a file is written into it and removed. os.access
+  alone is not proof: as root it allows writing where the file system refuses
+  (/proc/nosuch/x), and a read-only mount refuses everyone.
   """
   path = os.path.abspath(path)
   if os.path.exists(path):
     if not os.path.isdir(path):
       return f"{path} exists and is not a directory"
-    return None if os.access(path, os.W_OK | os.X_OK) else f"{path} is not writable"
-  parent = os.path.dirname(path)
-  while not os.path.exists(parent):
-    parent = os.path.dirname(parent)
-  if not os.path.isdir(parent):
-    return f"{parent} is a file, not a directory"
-  if not os.access(parent, os.W_OK | os.X_OK):
-    return f"{parent} is not writable (it would hold {path})"
+    if not os.access(path, os.W_OK | os.X_OK):
+      return f"{path} is not writable"
+  else:
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+      parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+      return f"{parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+      return f"{parent} is not writable (it would hold {path})"
+  import tempfile  # pylint: disable=g-import-not-at-top
+  # Left in place: several processes of a job may check the same directory at once.
+  try:
+    os.makedirs(path, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+      pass
+  except OSError as err:
+    return f"{path} cannot be created or written: {err}"
   return None
 
 

@@ -41,6 +41,7 @@ from absl import flags
 from absl import logging
 
 from ringflash.cli import UsageError
+from ringflash.cli import define_float
 
 FLAGS = flags.FLAGS
 
@@ -71,9 +72,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   flags.DEFINE_integer("data_step", 1_000_000, "Which batch of the task's stream to decode "
                        "(training draws steps 0, 1, ...).", lower_bound=0, **fv)
   flags.DEFINE_string("backend", "auto", "Attention backend (ring prefill and decode).", **fv)
-  flags.DEFINE_float("tie_tolerance", 1e-3, "A teacher-forced top-two logit margin below "
-                     "this is a near tie: a different argmax there is counted, not failed.",
-                     lower_bound=0.0, **fv)
+  define_float("tie_tolerance", 1e-3, "A teacher-forced top-two logit margin below this "
+               "is a near tie: a different argmax there is counted, not failed.",
+               lower_bound=0.0, **fv)
 
 
 @dataclasses.dataclass(frozen=True)

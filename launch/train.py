@@ -50,6 +50,7 @@ from absl import flags
 from absl import logging
 
 from ringflash.cli import UsageError
+from ringflash.cli import define_float
 from ringflash.launch import distributed
 
 FLAGS = flags.FLAGS
@@ -85,12 +86,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   positive("num_heads", 2, "Attention heads; d_model / num_heads must be even (RoPE).")
   positive("num_layers", 1, "Transformer blocks (one suffices for the task).")
   positive("d_ff", 128, "MLP hidden width.")
-  flags.DEFINE_float("rope_base", 1e6, "RoPE wavelength base, > 0 (large, as in long-context "
-                     "models: slow rotations let content match across thousands of tokens).",
-                     **fv)
-  flags.DEFINE_float("dropout", 0.0, "Residual dropout rate in [0, 1) (uses the checkpointed "
-                     "RNG key).", lower_bound=0.0, **fv)
-  flags.DEFINE_float("learning_rate", 5e-3, "Peak learning rate (AdamW), > 0.", **fv)
+  define_float("rope_base", 1e6, "RoPE wavelength base, > 0 (large, as in long-context "
+               "models: slow rotations let content match across thousands of tokens).", **fv)
+  define_float("dropout", 0.0, "Residual dropout rate in [0, 1) (uses the checkpointed RNG "
+               "key).", lower_bound=0.0, **fv)
+  define_float("learning_rate", 5e-3, "Peak learning rate (AdamW), > 0.", **fv)
   flags.DEFINE_integer("warmup_steps", 10, "Linear warmup steps.", lower_bound=0, **fv)
   flags.DEFINE_integer("seed", 0, "Seed of the parameters, RNG key and data stream.",
                        lower_bound=0, **fv)
@@ -104,9 +104,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   flags.DEFINE_string("backend", "auto", "Ring attention backend.", **fv)
   flags.DEFINE_string("checkpoint_dir", None, "Directory of checkpoints (none: no "
                       "checkpoints).", **fv)
-  positive("save_every", 50, "Save a checkpoint every this many steps.")
-  positive("keep", 3, "Checkpoints to keep.")
-  flags.DEFINE_bool("async_save", True, "Write checkpoints in the background.", **fv)
+  positive("save_every", 50, "Save a checkpoint every this many steps (needs "
+           "--checkpoint_dir).")
+  positive("keep", 3, "Checkpoints to keep (needs --checkpoint_dir).")
+  flags.DEFINE_bool("async_save", True, "Write checkpoints in the background (needs "
+                    "--checkpoint_dir).", **fv)
   flags.DEFINE_bool("resume", False, "Continue from the newest complete checkpoint in "
                     "--checkpoint_dir (which must be given); an error if checkpoints exist "
                     "but none restores.", **fv)
@@ -114,7 +116,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                       "accuracy) here; process 0 only.", **fv)
   flags.DEFINE_integer("crash_after_save_starts", -1, "Fault injection for tests: SIGKILL this "
                        "process right after the save of this step has started (write in "
-                       "flight).", lower_bound=-1, **fv)
+                       "flight; needs --checkpoint_dir).", lower_bound=-1, **fv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,8 +274,11 @@ class Job:
   cpu_devices: int
 
 
-def job_from_flags(values: flags.FlagValues = FLAGS) -> Job:
-  """Every flag of `ringflash train`, checked; nothing is touched (no device, no file).
+def job_from_flags(values: flags.FlagValues = FLAGS, *, folders: bool = True) -> Job:
+  """Every flag of `ringflash train`, checked; no device is touched. The folders of
+  --checkpoint_dir and --metrics_file, checked last, are created (the only way to know they
+  can be); folders=False skips that check, for a job that runs on other machines (`launch
+  tpu`), whose folders are theirs.
 
   absl's bounds have refused non-positive sizes while parsing; this checks what relates
   flags to each other and to the file system. What needs the device count is check_devices,
@@ -296,16 +301,10 @@ def job_from_flags(values: flags.FlagValues = FLAGS) -> Job:
       raise UsageError(f"--{name} must be > 0, got {v[name].value}")
   if v.resume and not v.checkpoint_dir:
     raise UsageError("--resume needs --checkpoint_dir (the directory to resume from)")
-  if v.checkpoint_dir:
-    problem = distributed.directory_problem(v.checkpoint_dir)
-    if problem:
-      raise UsageError(f"--checkpoint_dir={v.checkpoint_dir}: {problem}")
-  if v.metrics_file:
-    # appended to, in a folder created if missing
-    problem = ("it is a directory" if os.path.isdir(v.metrics_file) else
-               distributed.directory_problem(os.path.dirname(os.path.abspath(v.metrics_file))))
-    if problem:
-      raise UsageError(f"--metrics_file={v.metrics_file}: {problem}")
+  # They only shape the saves, and without --checkpoint_dir nothing is saved.
+  for name in ("save_every", "keep", "async_save", "crash_after_save_starts"):
+    if v[name].present and not v.checkpoint_dir:
+      raise UsageError(f"--{name} needs --checkpoint_dir (without it no checkpoint is saved)")
   try:
     task = data.TaskConfig(seq_len=v.seq_len, num_keys=v.num_keys, num_values=v.num_values,
                            num_pairs=v.num_pairs, num_copies=v.num_copies,
@@ -315,6 +314,17 @@ def job_from_flags(values: flags.FlagValues = FLAGS) -> Job:
                              rope_base=v.rope_base, dropout=v.dropout)
   except ValueError as err:
     raise _usage(err, values) from None
+  # Last, as checking a folder creates it: no other flag's mistake leaves one behind.
+  if v.checkpoint_dir and folders:
+    problem = distributed.directory_problem(v.checkpoint_dir)
+    if problem:
+      raise UsageError(f"--checkpoint_dir={v.checkpoint_dir}: {problem}")
+  if v.metrics_file and folders:
+    # appended to, in a folder created if missing
+    problem = ("it is a directory" if os.path.isdir(v.metrics_file) else
+               distributed.directory_problem(os.path.dirname(os.path.abspath(v.metrics_file))))
+    if problem:
+      raise UsageError(f"--metrics_file={v.metrics_file}: {problem}")
   config = RunConfig(model=mcfg, task=task, batch_size=v.batch_size,
                      data_parallel=v.data_parallel, ring=v.ring,
                      learning_rate=v.learning_rate, warmup_steps=v.warmup_steps,

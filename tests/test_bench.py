@@ -183,3 +183,68 @@ def test_features_mode_takes_the_head_dim_of_its_plain_rows(tmp_path):
   rows = json.load(open(tmp_path / "bench_features.json"))["rows"]
   assert [(r["variant"], r["H"], r["Hv"]) for r in rows] == [
       ("plain", 64, 64), ("softcap", 64, 64), ("h80", 80, 80)]
+
+
+def _refused(tmp_path, *flags, devices=4):
+  """The one line of a bench that refuses its flags (status 2) before anything ran."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", RINGFLASH_DEVICES_PER_PROCESS=str(devices))
+  cmd = [sys.executable, "-m", "ringflash.cli", "bench", "--warmup=0", "--iters=1",
+         f"--out={tmp_path / 'out'}", *flags]
+  done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+  assert not done.stdout and len(done.stderr.splitlines()) == 1, done.stderr[-2000:]
+  return done.stderr.strip()
+
+
+@pytest.mark.parametrize("flags,says", [
+    # the hybrid strategy runs on the 4 devices as (4 / U, U): U = 3 and U = 4 do not fit
+    (["--ulysses_size=3"], "ringflash bench: --ulysses_size=3 must divide the 4 devices"),
+    (["--ulysses_size=4"], "ringflash bench: --ulysses_size=4 must divide the 4 devices"),
+    # Ulysses shards the query heads over the 4 devices
+    (["--heads=2", "--kv_heads=2"], "ringflash bench: --heads=2 and --kv_heads=2 do not fit "
+                                    "strategy 'ulysses' on the 4 devices"),
+])
+def test_strategies_mode_refuses_what_the_devices_refute(tmp_path, flags, says):
+  line = _refused(tmp_path, "--mode=strategies", "--seq_lens=32", "--heads=4",
+                  "--kv_heads=2", "--head_dim=32", *flags)
+  assert line.startswith(says), line
+  assert not os.path.exists(tmp_path / "out")        # refused before its folder was made
+
+
+def test_scaling_mode_refuses_an_hlo_dir_it_cannot_use(tmp_path):
+  # one device: no ring of P > 1, whose programs are what --hlo_dir receives
+  line = _refused(tmp_path, "--mode=scaling", "--seq_lens=128",
+                  f"--hlo_dir={tmp_path / 'hlo'}", devices=1)
+  assert line.startswith("ringflash bench: --hlo_dir: the scaling mode writes"), line
+  assert not os.path.exists(tmp_path / "hlo")
+  # a folder that cannot be made, though os.access allows it to root: before any run
+  line = _refused(tmp_path, "--mode=scaling", "--seq_lens=128", "--hlo_dir=/proc/nosuch/x",
+                  devices=2)
+  assert line.startswith("ringflash bench: --hlo_dir=/proc/nosuch/x: "), line
+
+
+def test_bench_out_under_a_file_is_a_usage_error(tmp_path):
+  (tmp_path / "afile").write_text("")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, "-m", "ringflash.cli", "bench", "--mode=virtual",
+                         f"--out={tmp_path / 'afile' / 'out'}"], env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 2 and not done.stdout, done.stderr[-2000:]
+  assert done.stderr.splitlines() == [f"ringflash bench: --out={tmp_path / 'afile' / 'out'}: "
+                                      f"{tmp_path / 'afile'} is a file, not a directory"]
+
+
+def test_scaling_mode_without_backward_prints_a_dash_for_it(tmp_path):
+  out = _bench(tmp_path, "--mode=scaling", "--seq_lens=128", "--causal=false",
+               "--nobackward", devices=2)
+  lines = [line for line in out.splitlines() if line.startswith("P=")]
+  assert len(lines) == 2 and all("fwd+bwd - (eff -)" in line for line in lines), out
+  rows = json.load(open(tmp_path / "bench_scaling.json"))["rows"]
+  assert [r["fwdbwd_tflops"] for r in rows] == [None, None]
+
+
+def test_strategies_row_without_backward_prints_a_dash_for_it(capsys):
+  from ringflash.cli.bench import strategies
+  strategies._print({"P": 4, "T_local": 32, "K": 2, "causal": False, "auto_choice": "ring",
+                     "ring_fwd_eff": 0.5, "auto_fwd_eff": 0.5, "ring_fwdbwd_eff": 0.25})
+  assert "ring 0.50|0.25 auto 0.50|-;" in capsys.readouterr().out

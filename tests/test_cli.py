@@ -43,6 +43,25 @@ def _run(*args, script=None):
     ("bench", ["--mode=features", "--impls=ringflash,cudnn"], "--impls"),   # kernels' only
     ("bench", ["--mode=decode", "--seq_lens=4096"], "--seq_lens"),          # --cache_lens
     ("bench", ["--mode=virtual", "--causal=true"], "--causal"),             # non-causal
+    ("bench", ["--mode=features", "--variants="], "--variants"),            # runs nothing
+    ("bench", ["--mode=kernels", "--impls=xla", "--xla_max_len=8", "--seq_lens=16"],
+     "--xla_max_len"),                                                      # every cell skipped
+    ("bench", ["--mode=virtual", "--out=/dev/null/x"], "--out"),            # under a file
+    ("bench", ["--mode=virtual", "--out=/proc/nosuch/dir"], "--out"),
+    ("bench", ["--mode=scaling", "--hlo_dir=/proc/nosuch/x"], "--hlo_dir"),
+    # libtpu aborts the process compiling for v5e:4x4x4; v6e:2x2x2 is no slice that exists
+    ("plan", ["--topology=v5e:4x4x4", "--seq_len=1024"], "--topology"),
+    ("plan", ["--topology=v6e:2x2x2", "--seq_len=1024"], "--topology"),
+    # NaN and infinities: absl's bounds let NaN through, and both would turn the flag off
+    ("launch", ["local", "--timeout_s=nan", "--", "check"], "--timeout_s"),
+    ("launch", ["local", "--stop_timeout_s=nan", "--", "check"], "--stop_timeout_s"),
+    ("launch", ["local", "--timeout_s=inf", "--", "check"], "--timeout_s"),
+    ("check", ["--tolerance=inf"], "--tolerance"),
+    ("check", ["--out_dir=/proc/nosuch/x"], "--out_dir"),
+    ("generate", ["--tie_tolerance=nan"], "--tie_tolerance"),
+    ("train", ["--learning_rate=inf"], "--learning_rate"),
+    ("train", ["--rope_base=inf"], "--rope_base"),
+    ("train", ["--save_every=5"], "--checkpoint_dir"),
 ])
 def test_a_bad_flag_is_one_line_and_status_2(sub, args, names):
   done = _run(sub, *args)
@@ -131,4 +150,29 @@ def test_bench_flags_are_checked_in_process():
   for change in ({"seq_lens": ["129"]}, {"mode": "scaling", "seq_lens": ["129"],
                                          "causal": ["false"]},
                  {"mode": "longest", "seq_lens": ["129"], "layout": "contiguous"}):
+    bench.check_flags(types.SimpleNamespace(**(good | change)))
+
+
+def test_bench_refuses_what_would_run_nothing_in_process():
+  """An empty --variants list, and a kernels row in which no implementation would run (the
+  xla backend alone, above --xla_max_len), refused without a process per case."""
+  import types
+
+  from ringflash.cli import UsageError
+  from ringflash.cli import bench
+
+  good = dict(mode="kernels", seq_lens=["128"], gqa_seq_lens=["256"], ring_sizes=["2"],
+              kv_heads=["4", "1"], heads=4, head_dim=32, batch=1, iters=1, warmup=0,
+              xla_max_len=256, run_max_len=0, causal=["false"], impls=["xla"],
+              out="bench_out", hlo_dir="", layout="zigzag", variants=["plain"],
+              ulysses_size=2)
+  bench.check_flags(types.SimpleNamespace(**good))
+  for change, says in [({"mode": "features", "variants": []}, "--variants must list"),
+                       ({"xla_max_len": 128}, "--impls=xla runs nothing at T=256"),  # GQA row
+                       ({"seq_lens": ["512"]}, "--impls=xla runs nothing at T=512")]:
+    with pytest.raises(UsageError, match=says):
+      bench.check_flags(types.SimpleNamespace(**(good | change)))
+  # another implementation runs where xla is left out; the GQA lengths only with K != N
+  for change in ({"xla_max_len": 0, "impls": ["xla", "ringflash"]},
+                 {"kv_heads": ["4"], "gqa_seq_lens": ["4096"]}):
     bench.check_flags(types.SimpleNamespace(**(good | change)))

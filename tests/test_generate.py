@@ -118,6 +118,8 @@ def test_generate_command_end_to_end(checkpoint):
     (["--batch_size=3", "--data_parallel=2"], "--batch_size=3"),
     (["--ring=16"], "needs 16 devices"),
     (["--backend=cuda"], "--backend"),
+    (["--tie_tolerance=nan"], "flag --tie_tolerance=nan: must be a finite number"),
+    (["--tie_tolerance=inf"], "flag --tie_tolerance=inf: must be a finite number"),
 ])
 def test_a_flag_mistake_is_one_line_and_status_2(checkpoint, args, names):
   if args and args[0].startswith("--checkpoint_dir") or not args:

@@ -396,6 +396,14 @@ def test_flag_refuted_on_one_process_only_ends_the_job_after_the_barrier():
     (["tpu", "--name=n", "--zone=z", "--processes=3", "--dry-run"],
      "--processes is a flag of `launch local`, not `launch tpu`"),
     (["elsewhere"], "the target must be one of local, tpu, got 'elsewhere'"),
+    (["local", "--timeout_s=nan", "--", "check"], "flag --timeout_s=nan: must be a finite"),
+    (["local", "--stop_timeout_s=nan", "--", "check"],
+     "flag --stop_timeout_s=nan: must be a finite number"),
+    (["local", "--log_dir=/proc/nosuch/x", "--", "check"],
+     "--log_dir=/proc/nosuch/x: /proc/nosuch/x cannot be created or written: "),
+    (["local", "--", "check", "--out_dir=/proc/nosuch/x"], "job check: --out_dir=/proc/nosuch/x: "),
+    (["local", "--", "train", "--save_every=5"],
+     "job train: --save_every needs --checkpoint_dir"),
 ])
 def test_launch_refuses_bad_arguments_before_starting(tmp_path, args, message):
   afile = tmp_path / "afile"
@@ -537,6 +545,18 @@ def test_tpu_dry_run_prints_the_commands(tmp_path):
   assert argv[argv.index("--command") + 1].startswith("cd ~ && ")
 
 
+def test_tpu_job_folders_belong_to_the_workers(tmp_path):
+  """`launch tpu -- train --checkpoint_dir=...`: the folder is the workers'; checking it on
+  the launching machine would create it there (checking a folder creates it), so the
+  launcher leaves it to the job."""
+  ckpt, metrics = tmp_path / "ckpt" / "run", tmp_path / "metrics" / "m.jsonl"
+  run = ringflash("launch", "tpu", "--name=rf", "--zone=z", "--workers=2", "--dry-run",
+                  f"--log_dir={tmp_path / 'logs'}", "--", "train", f"--checkpoint_dir={ckpt}",
+                  f"--metrics_file={metrics}", "--save_every=5", timeout=60)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert os.listdir(tmp_path) == []
+
+
 def test_tpu_launch_runs_steps_and_collects_logs_after_a_failure(tmp_path):
   """The executor on stand-in commands: the job fails, the logs are still collected."""
   marker = tmp_path / "collected"
@@ -556,6 +576,29 @@ def test_tpu_slice_validated():
   with pytest.raises(ValueError, match="zone must be set"):
     tpu.Slice(name="n", zone="", workers=1)
   assert tpu.Slice(name="n", zone="z").workers is None        # counted when needed
+
+
+def test_tpu_dry_run_leaves_no_log_folder(tmp_path):
+  """The log folder is checked by creating it; a dry run, which writes nothing, removes it."""
+  logs = tmp_path / "new" / "logs"
+  run = ringflash("launch", "tpu", "--name=rf", "--zone=z", "--workers=2", "--dry-run",
+                  f"--log_dir={logs}", "--", "check", timeout=60)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert os.listdir(tmp_path) == []
+
+
+def test_directory_problem_tries_to_create_the_directory(tmp_path, monkeypatch):
+  """os.access is no proof: as root it allows /proc/nosuch/x, which cannot be created."""
+  made = tmp_path / "a" / "b"
+  assert distributed.directory_problem(str(made)) is None and made.is_dir()
+  (tmp_path / "afile").write_text("")
+  assert distributed.directory_problem(str(tmp_path / "afile" / "x")) == (
+      f"{tmp_path / 'afile'} is a file, not a directory")
+  monkeypatch.setattr(os, "access", lambda *_: True)     # what root is told
+  problem = distributed.directory_problem("/proc/nosuch/x")
+  assert problem.startswith("/proc/nosuch/x cannot be created or written: [Errno "), problem
+  problem = distributed.directory_problem("/proc")        # exists, takes no file
+  assert problem.startswith("/proc cannot be created or written: [Errno "), problem
 
 
 def test_tpu_dry_run_without_workers_counts_them_first(tmp_path):

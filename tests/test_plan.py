@@ -169,6 +169,21 @@ def test_malformed_topologies_are_usage_errors(topology):
     planner.topology_chips(topology)
 
 
+@pytest.mark.parametrize("topology", ["v5e:4x4x4", "v5e:4x4x2", "v5e:2x2x2", "v6e:2x2x2",
+                                      "v6e:4x4x4", "v5litepod:2x2x2"])
+def test_a_third_size_of_a_2d_generation_is_a_usage_error(topology):
+  """v5e and v6e slices are 2-D. libtpu takes v5e:2x2x2 as hosts of 2x2 chips stacked along
+  an axis these chips do not have, and aborts the process compiling for v5e:4x4x4."""
+  with pytest.raises(UsageError, match=f"--topology={topology}: .* slices are 2-D"):
+    planner.topology_chips(topology)
+
+
+@pytest.mark.parametrize("topology,chips", [("v5e:4x4x1", 16), ("v6e:2x4x1", 8),
+                                            ("v5e:16x16", 256), ("v5p:2x2x4", 16)])
+def test_a_third_size_of_1_or_a_3d_generation_is_taken(topology, chips):
+  assert planner.topology_chips(topology) == chips
+
+
 def _linear_probe(per_token, fixed, hbm, calls):
   """A plan whose total is fixed + per_token * n, as compiled programs are (about)."""
   def probe(n):

@@ -139,6 +139,10 @@ def test_every_query_is_answered_by_its_pair_in_the_first_half():
     (["--seq_len=100"], "--num_pairs=16 x num_copies=8 = 128 must be <= seq_len / 2 = 50"),
     (["--d_model=30"], "--d_model=30 / num_heads=2 = 15 (head_dim) must be even for RoPE"),
     (["--backend=nope"], "--backend must be one of ('auto', "),
+    (["--learning_rate=inf"], "flag --learning_rate=inf: must be a finite number"),
+    (["--keep=2"], "--keep needs --checkpoint_dir (without it no checkpoint is saved)"),
+    (["--metrics_file=/proc/nosuch/m.jsonl"], "--metrics_file=/proc/nosuch/m.jsonl: "
+                                              "/proc/nosuch cannot be created or written"),
 ])
 def test_bad_flags_are_one_line_before_any_work(tmp_path, args, message):
   afile = tmp_path / "afile"
@@ -152,6 +156,43 @@ def test_bad_flags_are_one_line_before_any_work(tmp_path, args, message):
   assert lines[0].startswith("ringflash train: ") and message.format(file=afile) in lines[0], (
       lines[0])
   assert run.stdout == ""                  # not a step, not even the mesh line
+
+
+def _job_from(*args):
+  from absl import flags
+  values = flags.FlagValues()
+  train.define_flags(values)
+  values(["train", *args])
+  return train.job_from_flags(values)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--learning_rate=inf"], "flag --learning_rate=inf: must be a finite number"),
+    (["--learning_rate=nan"], "flag --learning_rate=nan: must be a finite number"),
+    (["--rope_base=inf"], "flag --rope_base=inf: must be a finite number"),
+    (["--dropout=nan"], "flag --dropout=nan: must be a finite number"),
+    (["--save_every=5"], "--save_every needs --checkpoint_dir"),
+    (["--keep=2"], "--keep needs --checkpoint_dir"),
+    (["--noasync_save"], "--async_save needs --checkpoint_dir"),
+    (["--async_save"], "--async_save needs --checkpoint_dir"),
+    (["--crash_after_save_starts=4"], "--crash_after_save_starts needs --checkpoint_dir"),
+    (["--checkpoint_dir=/proc/nosuch/x"], "--checkpoint_dir=/proc/nosuch/x: /proc/nosuch/x "
+                                          "cannot be created or written"),
+])
+def test_flags_that_would_be_lost_are_refused(args, message):
+  """NaN and infinities (absl's bounds let NaN through), flags of the saves without a
+  --checkpoint_dir (nothing would be saved), a folder that cannot be created."""
+  from absl import flags
+  from ringflash.cli import UsageError
+  with pytest.raises((flags.Error, UsageError), match=re.escape(message)):
+    _job_from(*args)
+
+
+def test_checkpoint_flags_with_a_checkpoint_dir_are_taken(tmp_path):
+  job = _job_from(f"--checkpoint_dir={tmp_path / 'ckpt'}", "--save_every=5", "--keep=2",
+                  "--noasync_save", f"--metrics_file={tmp_path / 'm' / 'm.jsonl'}")
+  assert (job.save_every, job.keep, job.async_save) == (5, 2, False)
+  assert (tmp_path / "ckpt").is_dir() and (tmp_path / "m").is_dir()    # checked by making
 
 
 # ---------------------------------------------------------------------- (0) fingerprints

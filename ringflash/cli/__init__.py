@@ -8,11 +8,13 @@ A user's mistake is one line on stderr and exit status 2, before any work: a fla
 not parse, a positional argument where none is taken, or a `UsageError` that a subcommand's
 `main` raises while checking its flags (it checks them all before it touches a device).
 A subcommand that takes positional arguments (`launch`) sets `TAKES_ARGUMENTS = True`.
+Float flags are defined with `define_float`, which refuses NaN and infinities while parsing.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 
 # name -> (module, one-line help). Modules are imported only when chosen.
@@ -30,6 +32,21 @@ SUBCOMMANDS = {
 class UsageError(Exception):
   """A mistake in a command's flags or arguments: `ringflash` prints
   `ringflash <subcommand>: <message>` as one line and exits with status 2."""
+
+
+def define_float(name: str, default: float, help_: str, **kwargs) -> None:
+  """absl's DEFINE_float (same arguments) for a flag that takes finite numbers only.
+
+  absl's bounds let NaN through (every comparison with it is false), and NaN or an infinity
+  would silently turn off what the flag sets (a time limit, a tolerance) or ruin a run (a
+  learning rate): both are refused while parsing, `flag --timeout_s=nan: must be a finite
+  number`.
+  """
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_float(name, default, help_, **kwargs)
+  flags.register_validator(name, lambda value: value is None or math.isfinite(value),
+                           message="must be a finite number",
+                           flag_values=kwargs.get("flag_values", flags.FLAGS))
 
 
 def _usage() -> str:

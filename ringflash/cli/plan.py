@@ -60,7 +60,8 @@ def define_flags() -> None:
   """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
   before parsing; importing the module (as tests do) defines nothing."""
   flags.DEFINE_string("topology", "v5p:2x2x2", "TPU topology name <generation>:<AxBxC> or "
-                      f"<AxB>, generation one of {', '.join(HBM_BYTES)}; e.g. v5p:4x4x4")
+                      f"<AxB>, generation one of {', '.join(HBM_BYTES)}; e.g. v5p:4x4x4 "
+                      f"({', '.join(PLANAR)}: 2-D, e.g. v5e:4x8)")
   flags.DEFINE_integer("batch", 1, "batch size B")
   flags.DEFINE_integer("seq_len", 131072, "global sequence length T (= S)")
   flags.DEFINE_integer("heads", 32, "query heads N")
@@ -82,6 +83,13 @@ def define_flags() -> None:
 HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 10**9, "v5litepod": 16 * 10**9,
              "v5p": 95 * 2**30, "v6e": 32 * 10**9}
 
+# The generations whose slices are 2-D (chips linked along x and y only). libtpu still takes
+# a third size there and reads v5e:2x2x2 as two hosts of 2x2 chips stacked along a z axis that
+# these chips do not have (chip coordinates z = 0, 1): no slice that exists. And it aborts the
+# process (`Check failed: Topology()->chip_bounds().z == 1`) when it compiles for some of
+# them, v5e:4x4x2 and v5e:4x4x4 among them. So a third size must be 1.
+PLANAR = ("v5e", "v5litepod", "v6e")
+
 # <generation>:<AxB> or <AxBxC>, each size >= 1 (libtpu aborts the process on a 0), with
 # libtpu's optional twist suffix.
 _TOPOLOGY = re.compile(r"(?P<gen>[a-z0-9]+):(?P<dims>[1-9][0-9]*(?:x[1-9][0-9]*){1,2})"
@@ -93,14 +101,19 @@ def topology_chips(topology: str) -> int:
 
   Raises:
     UsageError: naming --topology, unless it is <generation>:<AxBxC> (or <AxB>) with a
-      generation of HBM_BYTES.
+      generation of HBM_BYTES, and 2-D (<AxB> or <AxBx1>) for one of PLANAR.
   """
   match = _TOPOLOGY.fullmatch(topology)
   if match is None or match["gen"] not in HBM_BYTES:
     raise UsageError(f"--topology must be a TPU topology <generation>:<AxBxC> or <AxB> with "
                      f"sizes >= 1 and a generation of {', '.join(HBM_BYTES)} (e.g. "
                      f"v5p:2x2x2), got {topology!r}")
-  return math.prod(int(d) for d in match["dims"].split("x"))
+  dims = [int(d) for d in match["dims"].split("x")]
+  if match["gen"] in PLANAR and dims[2:] not in ([], [1]):
+    raise UsageError(f"--topology={topology}: {match['gen']} slices are 2-D, give <AxB> "
+                     f"(e.g. {match['gen']}:2x4 for 8 chips); libtpu reads a third size as "
+                     f"hosts stacked along an axis these chips do not have, and aborts on some")
+  return math.prod(dims)
 
 
 def check_flags(f) -> None:

@@ -39,7 +39,9 @@ each round times one call of each, in an order that rotates between rounds, so t
 of the device's clock falls on all of them alike; the ratio to cuDNN is the median of the
 rounds' ratios.
 
-Failures: a flag out of range is a usage error (status 2) before any work. When ringflash's
+Failures: a flag out of range is a usage error (status 2) before any work; what only the
+devices can refute (the strategies mode's --heads and --ulysses_size, --hlo_dir on one device)
+once they are known, before anything compiles. When ringflash's
 own implementation (ringflash or xla) fails, the command prints its error and exits with
 status 1; a peer baseline that fails (cuDNN on a CPU) is left out of its rows, its error
 printed and recorded.
@@ -86,7 +88,8 @@ def define_flags() -> None:
                     "kernels, features, scaling, strategies: also time forward+backward")
   flags.DEFINE_enum("layout", "zigzag", ["contiguous", "zigzag", "striped"],
                     "scaling, longest: layout of the causal rows")
-  flags.DEFINE_string("hlo_dir", "", "scaling: write each ring program's compiled HLO here")
+  flags.DEFINE_string("hlo_dir", "", "scaling, on 2 or more devices: write each ring "
+                      "program's compiled HLO here")
   option = harness.OVERLAP_OPTION
   flags.DEFINE_integer("collectives_in_flight", harness.default_collectives_in_flight(),
                        "scaling, longest, on GPUs: how many collectives XLA may keep in "
@@ -100,8 +103,8 @@ def define_flags() -> None:
   flags.DEFINE_list("variants", ["plain", "sinks", "softcap", "mla", "h80", "h96"],
                     "features: the variants to run (plain, sinks, softcap, mla, h80, h96)")
   flags.DEFINE_integer("ulysses_size", 2, "strategies: devices of the hybrid strategy's "
-                       "Ulysses axis (the devices as (P / U, U)); 0 leaves hybrid out",
-                       lower_bound=0)
+                       "Ulysses axis (the devices as (P / U, U)), a divisor of P below P; 0 "
+                       "leaves hybrid out", lower_bound=0)
 
 
 # The flags that only some modes read, and those modes: given on the command line with any
@@ -148,12 +151,6 @@ def _at_least(f, name: str, low: int) -> None:
     raise UsageError(f"--{name} must be >= {low}, got {value}")
 
 
-def _folder(f, name: str) -> None:
-  path = getattr(f, name)
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise UsageError(f"--{name}={path} is a file; it must name a folder")
-
-
 def check_flags(f, given=()) -> None:
   """Checks every flag before any work.
 
@@ -188,14 +185,15 @@ def check_flags(f, given=()) -> None:
     raise UsageError(f"--impls takes entries of {','.join(harness.IMPLEMENTATIONS)}, got "
                      f"{','.join(f.impls)!r}")
   from ringflash.cli.bench import features  # pylint: disable=g-import-not-at-top
+  if not f.variants:
+    raise UsageError(f"--variants must list at least one of {','.join(features.VARIANTS)}")
   if any(x not in features.VARIANTS for x in f.variants):
     raise UsageError(f"--variants takes entries of {','.join(features.VARIANTS)}, got "
                      f"{','.join(f.variants)!r}")
   if not f.out:
     raise UsageError("--out must name a folder")
-  _folder(f, "out")
-  if f.hlo_dir:
-    _folder(f, "hlo_dir")
+  if f.mode == "kernels":
+    _check_kernel_rows(f, seq_lens)
   # The zigzag layout cuts each device's rows in two chunks: the layouts mode always runs
   # its tiles; scaling (causal rows) and longest run it when --layout=zigzag.
   zigzag = f.mode == "layouts" or (f.layout == "zigzag" and (
@@ -207,6 +205,33 @@ def check_flags(f, given=()) -> None:
                      f"cuts them in two chunks, got {odd[0]}")
 
 
+def _check_kernel_rows(f, seq_lens: list[int]) -> None:
+  """Every length of the kernels mode must run some implementation: the xla backend is left
+  out above --xla_max_len, and a length with nothing else to run would be a row of dashes."""
+  if set(f.impls) != {"xla"}:
+    return
+  lens = [t for kh in f.kv_heads
+          for t in (seq_lens if int(kh) == f.heads else map(int, f.gqa_seq_lens))]
+  over = [t for t in lens if t > f.xla_max_len]
+  if over:
+    raise UsageError(f"--impls=xla runs nothing at T={over[0]}: the xla backend is left out "
+                     f"above --xla_max_len={f.xla_max_len}")
+
+
+def check_devices(f, devices: list) -> None:
+  """Checks what only the job's devices can refute, before anything compiles.
+
+  Raises:
+    UsageError: one line naming the flag.
+  """
+  if f.mode == "scaling" and f.hlo_dir and len(devices) < 2:
+    raise UsageError("--hlo_dir: the scaling mode writes the programs of rings of 2 or more "
+                     "devices, and this job has 1 device")
+  if f.mode == "strategies":
+    from ringflash.cli.bench import strategies  # pylint: disable=g-import-not-at-top
+    strategies.check_devices(f, devices)
+
+
 def main(argv):
   """Checks the flags, runs the mode, writes bench_<mode>.json (and the kernels plot)."""
   del argv
@@ -214,7 +239,13 @@ def main(argv):
   from ringflash.launch import distributed  # pylint: disable=g-import-not-at-top
 
   distributed.initialize()      # a multi-process job (RINGFLASH_* set) joins before any device use
-  os.makedirs(FLAGS.out, exist_ok=True)
+  with distributed.exit_promptly_on_error("bench"):
+    check_devices(FLAGS, jax.devices())
+    # Last, as checking a folder creates it.
+    for name in ("out", "hlo_dir"):
+      problem = FLAGS[name].value and distributed.directory_problem(FLAGS[name].value)
+      if problem:
+        raise UsageError(f"--{name}={FLAGS[name].value}: {problem}")
   dev = jax.devices()[0]
   print(f"jax {jax.__version__}, {len(jax.devices())} x {dev.device_kind}", flush=True)
   mode = importlib.import_module(f"ringflash.cli.bench.{FLAGS.mode}")

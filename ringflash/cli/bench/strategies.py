@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringflash
+from ringflash.cli import UsageError
 from ringflash.cli.bench import harness
 
 OURS = ("ring", "allgather", "ulysses", "hybrid", "auto")
@@ -65,17 +66,62 @@ def _baseline(name: str, mesh: Mesh, causal: bool):
   return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
 
 
+def _meshes(devices: list, u: int) -> dict:
+  """strategy -> (mesh, axis_name) of ringflash's strategies: the devices as one axis "sp";
+  hybrid's as (P / U, U), its Ulysses axis "u" the second (only when U = --ulysses_size > 0)."""
+  mesh = Mesh(np.array(devices), ("sp",))
+  grid = Mesh(np.array(devices).reshape(len(devices) // u, u), ("ring", "u")) if u else None
+  return {name: (grid, ("ring", "u")) if name == "hybrid" else (mesh, "sp")
+          for name in OURS if name != "hybrid" or u}
+
+
+def _ours(name: str, mesh: Mesh, axis, causal: bool, layout: str):
+  def attention(q, k, v):
+    return ringflash.ring_attention(q, k, v, mesh=mesh, axis_name=axis, is_causal=causal,
+                                    layout=layout, strategy=name)
+  return attention
+
+
+def check_devices(f, devices: list) -> None:
+  """--ulysses_size, --heads and --kv_heads against the P devices, before anything compiles:
+  each strategy of ringflash is traced on the abstract inputs of every row (the ulysses and
+  hybrid strategies shard the heads over their devices).
+
+  Raises:
+    UsageError: one line naming the flag.
+  """
+  p, u = len(devices), f.ulysses_size
+  if u and (p % u or u >= p):
+    raise UsageError(f"--ulysses_size={u} must divide the {p} devices and be smaller than "
+                     f"them (the hybrid strategy runs on the devices as (P / U, U), a ring of "
+                     f"P / U >= 2); 0 leaves hybrid out")
+  meshes = _meshes(devices, u)
+  for tl in map(int, f.seq_lens):
+    for kh in map(int, f.kv_heads):
+      for causal in [c.lower() == "true" for c in f.causal]:
+        for name, (mesh, axis) in meshes.items():
+          sharding = NamedSharding(mesh, P(None, axis))
+          shapes = [jax.ShapeDtypeStruct((f.batch, tl * p, heads, f.head_dim), jnp.bfloat16,
+                                         sharding=sharding) for heads in (f.heads, kh, kh)]
+          layout = "zigzag" if causal else "contiguous"
+          try:
+            jax.eval_shape(_ours(name, mesh, axis, causal, layout), *shapes)
+          except (ValueError, NotImplementedError) as err:
+            raise UsageError(f"--heads={f.heads} and --kv_heads={kh} do not fit strategy "
+                             f"{name!r} on the {p} devices: {err}") from None
+
+
 def run(f) -> list[dict]:
   """Runs the mode; prints a line per row and returns the rows.
 
   Args:
-    f: the parsed flags (absl's FLAGS, or anything with the same attributes).
+    f: the parsed flags (absl's FLAGS, or anything with the same attributes), checked by
+      check_devices.
   """
   devices = jax.devices()
   p = len(devices)
-  mesh = Mesh(np.array(devices), ("sp",))
-  u = f.ulysses_size if p % max(f.ulysses_size, 1) == 0 and p > f.ulysses_size else 0
-  mesh2 = Mesh(np.array(devices).reshape(p // u, u), ("ring", "u")) if u else None
+  meshes = _meshes(devices, f.ulysses_size)
+  mesh = meshes["ring"][0]
   rows = []
   for tl in map(int, f.seq_lens):
     for kh in map(int, f.kv_heads):
@@ -89,17 +135,10 @@ def run(f) -> list[dict]:
         whole = [jax.device_put(x, devices[0]) for x in (q, k, v, do)]
         calls = {"one_gpu": (harness.jitted_pair(functools.partial(_cudnn, causal=causal)),
                              whole)}
-        for name in OURS:
-          if name == "hybrid" and not u:
-            continue
-          m, axis = (mesh2, ("ring", "u")) if name == "hybrid" else (mesh, "sp")
-          args = laid if name != "hybrid" else [
+        for name, (m, axis) in meshes.items():
+          args = laid if m is mesh else [
               jax.device_put(x, NamedSharding(m, P(None, axis))) for x in laid]
-
-          def ours(q, k, v, name=name, m=m, axis=axis):
-            return ringflash.ring_attention(q, k, v, mesh=m, axis_name=axis, is_causal=causal,
-                                            layout=layout, strategy=name)
-          calls[name] = (harness.jitted_pair(ours), args)
+          calls[name] = (harness.jitted_pair(_ours(name, m, axis, causal, layout)), args)
         for name in BASELINES:
           if name == "allgather_cudnn" and causal:
             continue
@@ -129,7 +168,7 @@ def run(f) -> list[dict]:
 
 def _print(row: dict) -> None:
   names = [n for n in OURS + BASELINES if f"{n}_fwd_eff" in row]
-  cells = " ".join(f"{n} {row[f'{n}_fwd_eff']:.2f}|{row.get(f'{n}_fwdbwd_eff', 0):.2f}"
+  cells = " ".join(f"{n} {row[f'{n}_fwd_eff']:.2f}|{_figure(row.get(f'{n}_fwdbwd_eff'))}"
                    for n in names)
   best = max((row.get(f"{n}_fwdbwd_eff", row[f"{n}_fwd_eff"]) for n in names if n != "auto"),
              default=0.0)
@@ -139,6 +178,11 @@ def _print(row: dict) -> None:
   for key, val in row.items():
     if key.endswith("_error"):
       print(f"    {key}: {val}", flush=True)
+
+
+def _figure(x: float | None) -> str:
+  """An efficiency, or "-" for one not measured (--nobackward)."""
+  return "-" if x is None else f"{x:.2f}"
 
 
 def plot(rows: list[dict], path: str) -> None:
