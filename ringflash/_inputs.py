@@ -200,14 +200,14 @@ def _sink_rescale(out, lse, sink):
 
 def _sink_rescale_fwd(out, lse, sink):
   weight, rest, total = _sink_weight(lse, sink)
-  return (out * weight.transpose(0, 2, 1)[..., None], total), (out, lse, weight, rest)
+  return (out * weight.transpose(0, 2, 1)[..., None], total), (out, lse, weight, rest, sink)
 
 
 def _sink_rescale_bwd(res, cts):
   # With w = exp(lse - lse') and lse' = logaddexp(lse, sink): dw/dlse = w (1 - w),
   # dw/dsink = -w (1 - w), dlse'/dlse = w, dlse'/dsink = 1 - w; rows without a key depend
   # on nothing.
-  out, lse, weight, rest = res
+  out, lse, weight, rest, sink = res
   g_out, g_total = cts
   live = lse != -jnp.inf
   d_out = _times(g_out, weight.transpose(0, 2, 1)[..., None])
@@ -215,7 +215,18 @@ def _sink_rescale_bwd(res, cts):
   slope = weight * rest
   d_lse = jnp.where(live, _times(d_weight, slope) + _times(g_total, weight), 0.0)
   d_sink = jnp.where(live, _times(g_total, rest) - _times(d_weight, slope), 0.0)
-  return d_out, d_lse, jnp.sum(d_sink, axis=(0, 2), keepdims=True)
+  return d_out, d_lse, _typed_like(jnp.sum(d_sink, axis=(0, 2), keepdims=True), sink)
+
+
+def _typed_like(x, ref):
+  """x with ref's sharding type. On a mesh with Explicit axes a cotangent must have its
+  primal's type: the sink's gradient, summed over rows, keeps the heads' sharding of lse
+  (heads sharded over a model axis), while the sink itself may be replicated."""
+  want, have = jax.typeof(ref).sharding, jax.typeof(x).sharding
+  if getattr(want, "spec", None) == getattr(have, "spec", None):
+    return x
+  reshard = getattr(jax, "reshard", None) or jax.sharding.reshard   # older jax
+  return reshard(x, want)
 
 
 _sink_rescale.defvjp(_sink_rescale_fwd, _sink_rescale_bwd)

@@ -114,6 +114,36 @@ def test_explicit_mesh_axes_with_the_arrays_ringflash_builds(t, spec, strategy, 
     assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+def test_explicit_mesh_heads_sharded_sinks_gradient(backend):
+  """Heads on a model axis of Explicit axes, sinks replicated: the sinks' gradient, summed
+  over rows, kept the heads' sharding, and every jax.grad through the call failed (a custom
+  VJP's cotangent must have its primal's type). Forward and gradients against the oracle,
+  eager and under jit."""
+  devices = np.array(jax.devices()).reshape(2, 4)
+  mesh = Mesh(devices, ("model", "sp"), axis_types=(AxisType.Explicit,) * 2)
+  b, t, n, k, h = 1, 32, 4, 2, 16
+  q, key, v, dout = helpers.inputs(23, b, t, t, n, k, h, jnp.float32)
+  sinks = jnp.linspace(-1.0, 1.5, n, dtype=jnp.float32)
+
+  def loss(q, k, v, sinks):
+    out = ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=True, backend=backend,
+                                   sinks=sinks)
+    return jnp.sum(out * dout)
+
+  def oracle_loss(q, k, v, sinks):
+    return jnp.sum(helpers.oracle.attention(q, k, v, causal=True, sinks=sinks)[0] * dout)
+
+  refs = jax.grad(oracle_loss, argnums=(0, 1, 2, 3))(q, key, v, sinks)
+  placed = [jax.device_put(x, NamedSharding(mesh, P(None, "sp", "model")))
+            for x in (q, key, v)]
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+  with jax.set_mesh(mesh):
+    for grads in (grad(*placed, sinks), jax.jit(grad)(*placed, sinks)):
+      for got, want in zip(grads, refs):
+        assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
+
+
 def test_repeated_eager_calls_reuse_one_compiled_program(monkeypatch):
   """The README calls ring_attention eagerly: the same shapes and options trace (and
   compile) once; other options get their own program; the cache of programs is bounded."""
