@@ -54,6 +54,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -353,7 +354,6 @@ def directory_problem(path: str) -> str | None:
       return f"{parent} is a file, not a directory"
     if not os.access(parent, os.W_OK | os.X_OK):
       return f"{parent} is not writable (it would hold {path})"
-  import tempfile  # pylint: disable=g-import-not-at-top
   # Left in place: several processes of a job may check the same directory at once.
   try:
     os.makedirs(path, exist_ok=True)

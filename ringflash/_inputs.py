@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ringflash import _mesh
 from ringflash import _validate
 from ringflash.kernels import base
 from ringflash.parallel import plan
@@ -225,8 +226,7 @@ def _typed_like(x, ref):
   want, have = jax.typeof(ref).sharding, jax.typeof(x).sharding
   if getattr(want, "spec", None) == getattr(have, "spec", None):
     return x
-  reshard = getattr(jax, "reshard", None) or jax.sharding.reshard   # older jax
-  return reshard(x, want)
+  return _mesh.reshard(x, want)
 
 
 _sink_rescale.defvjp(_sink_rescale_fwd, _sink_rescale_bwd)

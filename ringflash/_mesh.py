@@ -11,6 +11,9 @@ from jax.sharding import PartitionSpec as P
 from ringflash import _validate
 
 
+reshard = getattr(jax, "reshard", None) or jax.sharding.reshard   # older jax
+
+
 def frozen(x):
   """Lists as tuples, so that equal options hash equal (a window may be given as a list)."""
   return tuple(frozen(e) for e in x) if isinstance(x, (list, tuple)) else x
@@ -131,6 +134,5 @@ def place(x, mesh: Mesh, spec: P):
   out so, or one ringflash built, such as segment ids from lengths, would be refused) that
   is a jax.reshard; on Auto axes shard_map reshards by itself."""
   if any(t == AxisType.Explicit for t in mesh.axis_types):
-    reshard = getattr(jax, "reshard", None) or jax.sharding.reshard   # older jax
     return reshard(x, NamedSharding(mesh, spec))
   return x

@@ -105,6 +105,11 @@ def ratio_by_round(ours: list[float], theirs: list[float]) -> float:
   return statistics.median(t / o for o, t in zip(ours, theirs, strict=True))
 
 
+def figure(x: float | None, digits: int) -> str:
+  """A measured figure, or "-" for one not measured (forward+backward with --nobackward)."""
+  return "-" if x is None else f"{x:.{digits}f}"
+
+
 def flops(b: int, n: int, t: int, s: int, h: int, causal: bool) -> float:
   """Forward FLOPs (FlashAttention's convention): 4 * B * N * T * S * H, halved if causal."""
   f = 4.0 * b * n * t * s * h

@@ -65,8 +65,8 @@ def run(f) -> list[dict]:
                  "fwd_eff": tf / base[0] if base[0] else None,
                  "fwdbwd_eff": tb / base[1] if (tb and base[1]) else None}
           line = (f"P={p} T/P={tl} K={kh} causal={causal}: fwd {tf:.1f} TFLOP/s/dev "
-                  f"(eff {_figure(row['fwd_eff'], 3)}) fwd+bwd {_figure(tb, 1)} "
-                  f"(eff {_figure(row['fwdbwd_eff'], 3)})")
+                  f"(eff {harness.figure(row['fwd_eff'], 3)}) fwd+bwd {harness.figure(tb, 1)} "
+                  f"(eff {harness.figure(row['fwdbwd_eff'], 3)})")
           if p > 1:
             found = [o for text in texts for o in hlo.permute_overlap(text)]
             row["permutes"] = len(found)
@@ -78,10 +78,6 @@ def run(f) -> list[dict]:
           print(line, flush=True)
   return rows
 
-
-def _figure(x: float | None, digits: int) -> str:
-  """A measured figure, or "-" for one not measured (fwd+bwd with --nobackward)."""
-  return "-" if x is None else f"{x:.{digits}f}"
 
 
 def write_hlo(folder: str, texts: list[str], tag: str) -> None:

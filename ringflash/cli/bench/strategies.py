@@ -168,8 +168,9 @@ def run(f) -> list[dict]:
 
 def _print(row: dict) -> None:
   names = [n for n in OURS + BASELINES if f"{n}_fwd_eff" in row]
-  cells = " ".join(f"{n} {row[f'{n}_fwd_eff']:.2f}|{_figure(row.get(f'{n}_fwdbwd_eff'))}"
-                   for n in names)
+  cells = " ".join(
+      f"{n} {row[f'{n}_fwd_eff']:.2f}|{harness.figure(row.get(f'{n}_fwdbwd_eff'), 2)}"
+      for n in names)
   best = max((row.get(f"{n}_fwdbwd_eff", row[f"{n}_fwd_eff"]) for n in names if n != "auto"),
              default=0.0)
   auto = row.get("auto_fwdbwd_eff", row.get("auto_fwd_eff", 0.0))
@@ -179,10 +180,6 @@ def _print(row: dict) -> None:
     if key.endswith("_error"):
       print(f"    {key}: {val}", flush=True)
 
-
-def _figure(x: float | None) -> str:
-  """An efficiency, or "-" for one not measured (--nobackward)."""
-  return "-" if x is None else f"{x:.2f}"
 
 
 def plot(rows: list[dict], path: str) -> None:
