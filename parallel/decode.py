@@ -159,16 +159,21 @@ def visibility(lengths, positions, t: int, window_left: int | None):
   first = lengths.astype(jnp.int32) - t                       # [B] position of token 0
   x = positions
 
-  def seen(lo_of, hi):                                          # lo_of None: no window
+  def seen(hi, p=None):     # keys x <= hi within the window of position p >= hi (p None: none)
     ok = x <= hi[:, None]
-    return ok if lo_of is None else ok & (x >= lo_of[:, None])
+    if p is None:
+      return ok
+    # p - x <= left as a distance in uint32: for x <= p it is the true difference (below
+    # 2**32 for any two int32), so neither a window nor a position overflows int32.
+    distance = (lax.bitcast_convert_type(p, jnp.uint32)[:, None]
+                - lax.bitcast_convert_type(x, jnp.uint32))
+    return ok & (distance <= jnp.uint32(left))
 
   left = window_left
-  core = seen(None if left is None else first + t - 1 - left, first)
+  core = seen(first, None if left is None else first + t - 1)
   if t == 1:
     return core, None
-  bands = [seen(None if left is None else first + i - left, first + i) & ~core
-           for i in range(t)]
+  bands = [seen(first + i, None if left is None else first + i) & ~core for i in range(t)]
   return core, bands
 
 

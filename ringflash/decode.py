@@ -239,7 +239,9 @@ def check(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, 
       "scale", options.scale)
   softcap = None if options.logits_soft_cap is None else _validate.positive_number(
       "logits_soft_cap", options.logits_soft_cap)
-  window = _validate.check_window(options.local_window_size, s_max, s_max)
+  # A query's distance to a key it sees is below 2**32 (positions are any int32, not slots):
+  # lefts past it change nothing.
+  window = _validate.check_window(options.local_window_size, 2**32 - 1, s_max)
   if options.backend != "auto" and options.backend not in BACKENDS:
     raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {options.backend!r}")
   if options.strategy not in STRATEGIES:

@@ -178,6 +178,41 @@ def test_lengths_and_positions_past_int32_keep_their_meaning():
   _close(got, _reference(q, key, v, lengths, positions=np.where(positions > 40, 99, positions)))
 
 
+@pytest.mark.parametrize("strategy", ["reduce", "ring", "allgather"])
+def test_a_window_reaches_past_the_cache_size(strategy):
+  """A query sits more than S_max past keys it sees: a rolling cache (slot s holds position
+  1000 + s) and natural positions with a length past S_max. The window was clipped to S_max,
+  as if queries and keys were both slots: the query at 1051 with a window of 40 saw 1019..
+  instead of 1011.. (t = 2: core and bands)."""
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(17, 2, 2, 32, 2, 1, 8)
+  rolling = np.tile(1000 + np.arange(32, dtype=np.int32), (2, 1))
+  for lengths, positions in ((np.array([1052, 1045], np.int32), rolling),
+                             (np.array([60, 45], np.int32), None)):
+    got = ringflash.decode_attention(q, *_sharded(mesh, key, v), cache_lengths=lengths,
+                                     cache_positions=positions, mesh=mesh,
+                                     local_window_size=40, strategy=strategy,
+                                     return_residual=True)
+    _close(got, _reference(q, key, v, lengths, positions=positions, window=40))
+
+
+def test_a_window_of_any_int32_distance_is_exact():
+  """Keys near INT32_MIN and a query near 2**30 are 3 * 2**30 apart: a window of 2**32 - 1
+  sees them, one of 2**31 - 1 does not (its lower edge is below INT32_MIN: no overflow)."""
+  mesh = helpers.mesh_of(2)
+  q, key, v = _inputs(19, 1, 1, 16, 2, 2, 8)
+  far = np.arange(16, dtype=np.int64) + np.iinfo(np.int32).min    # stands for 0 .. 15
+  positions = np.where(np.arange(16) < 8, far, np.arange(16) + 2**30 - 20)[None]
+  lengths = np.array([2**30], np.int32)                           # the query at 2**30 - 1
+  near = np.where(np.arange(16) < 8, 99, np.arange(16))[None]   # 2**30 - 20 + x -> x
+  for window, seen in ((2**32 - 1, np.where(np.arange(16) < 8, np.arange(16), near[0])[None]),
+                       (2**31 - 1, near)):
+    got = ringflash.decode_attention(q, *_sharded(mesh, key, v), cache_lengths=lengths,
+                                     cache_positions=positions.astype(np.int32), mesh=mesh,
+                                     local_window_size=window, return_residual=True)
+    _close(got, _reference(q, key, v, np.array([20]), positions=seen))
+
+
 def test_non_finite_in_an_unseen_slot_never_reaches_a_token():
   mesh = helpers.mesh_of(4)
   q, key, v = _inputs(5, 2, 1, 64, 4, 2, 16)
