@@ -315,11 +315,10 @@ def decode_local(q, k, v, lengths, positions, spec: DecodeSpec):
     return attend_shard(q, gather(k), gather(v), lengths, gather(positions), spec)
   # ring: at step s this device holds the slots of device (i - s) mod P; the next shard is
   # in flight while the kernel runs on the current one; P - 1 transfers.
-  perm = [(j, (j + 1) % spec.size) for j in range(spec.size)]
   held = (k, v, positions)
   o = lse = None
   for step in range(spec.size):
-    following = lax.ppermute(held, spec.axis_name, perm) if step < spec.size - 1 else None
+    following = ring_plan.shift(held, spec.axis_name) if step < spec.size - 1 else None
     o_s, lse_s = attend_shard(q, held[0], held[1], lengths, held[2], spec)
     o, lse = (o_s, lse_s) if o is None else merge(o, lse, o_s, lse_s)
     held = following

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -36,6 +37,28 @@ from jax import lax
 from ringflash.kernels import base
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def shift(x, axis_name, direction: int = 1):
+  """lax.ppermute of x (a pytree) in which ring member j sends to j + direction (mod P),
+  j counting over axis_name's axes in the order given, first major (as the sequence is
+  split over them). lax.ppermute takes a tuple of axes only in the mesh's order, so the
+  members' pairs are renumbered in that order."""
+  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  sizes = [lax.axis_size(a) for a in names]
+  size = int(np.prod(sizes))
+  pairs = [(j, (j + direction) % size) for j in range(size)]
+  mesh_names = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()) or ())
+  order = sorted(names, key=mesh_names.index) if set(names) <= set(mesh_names) else names
+  if list(order) == list(names):
+    return lax.ppermute(x, axis_name, pairs)
+  dims = dict(zip(names, sizes))
+
+  def renumbered(j):
+    coords = dict(zip(names, np.unravel_index(j, sizes)))
+    return int(np.ravel_multi_index([coords[a] for a in order], [dims[a] for a in order]))
+
+  return lax.ppermute(x, tuple(order), [(renumbered(a), renumbered(b)) for a, b in pairs])
 
 
 def check_layout(layout, ring_size: int, length: int, *, name: str = "layout",

@@ -66,11 +66,6 @@ from ringflash.parallel.merge import merge
 Residuals = local.Residuals
 
 
-def _shift_perm(ring_size: int, direction: int = 1):
-  """Device j sends to device j + direction (mod P)."""
-  return [(j, (j + direction) % ring_size) for j in range(ring_size)]
-
-
 def local_positions(axis_name, length: int, layout: str = "contiguous", group: int = 1):
   """Global positions held by this device: [length] int32 (see parallel/plan.py).
 
@@ -183,8 +178,7 @@ def _forward(q, k, v, q_seg, kv_seg, ring: ring_plan.RingSpec):
     # independent, so the permutes overlap the kernels.
     nxt = list(kvs)
     for i in moving:
-      nxt[i] = lax.ppermute(kvs[i], axis_name,
-                            _shift_perm(ring.ring_size, plan.lanes[i].direction))
+      nxt[i] = ring_plan.shift(kvs[i], axis_name, plan.lanes[i].direction)
     for i in computing:
       k_, v_, ks = _unpacked(kvs[i], k.shape[-1])
       kp = ring_plan.held_positions(plan, i, s, axis_name, k.shape[1])
@@ -215,7 +209,7 @@ def _backward(res: Residuals, dout, dlse, ring: ring_plan.RingSpec):
     nxt = list(kvs)
     dkvs = list(dkvs)
     for i in moving:
-      nxt[i] = lax.ppermute(kvs[i], axis_name, _shift_perm(ring_size, plan.lanes[i].direction))
+      nxt[i] = ring_plan.shift(kvs[i], axis_name, plan.lanes[i].direction)
     for i in computing:
       k_, v_, ks = _unpacked(kvs[i], k.shape[-1])
       kp = ring_plan.held_positions(plan, i, s, axis_name, k.shape[1])
@@ -225,7 +219,7 @@ def _backward(res: Residuals, dout, dlse, ring: ring_plan.RingSpec):
       dkvs[i] = dkvs[i] + pack(dk_i, dv_i)             # float32, packed as K and V
     # Each accumulator travels with its piece, leaving only once this step has added to it.
     for i in moving:
-      dkvs[i] = lax.ppermute(dkvs[i], axis_name, _shift_perm(ring_size, plan.lanes[i].direction))
+      dkvs[i] = ring_plan.shift(dkvs[i], axis_name, plan.lanes[i].direction)
     return dq, tuple(nxt), tuple(dkvs)
 
   kvs = tuple(_packed(pieces[lane.part]) for lane in plan.lanes)
@@ -246,7 +240,7 @@ def _backward(res: Residuals, dout, dlse, ring: ring_plan.RingSpec):
         # Complete: nothing is added to it any more, so its one cast to the input dtype
         # can come before this last hop, which then moves half the bytes of float32.
         dkv = dkv.astype(k.dtype)
-      dkv = lax.ppermute(dkv, axis_name, _shift_perm(ring_size, shift))
+      dkv = ring_plan.shift(dkv, axis_name, shift)
     dk_l, dv_l = unpack(dkv, k.shape[-1])
     p = lane.part
     dk_parts[p] = dk_l if dk_parts[p] is None else dk_parts[p] + dk_l

@@ -52,18 +52,25 @@ def backend_of(spec: Spec) -> str:
 
 
 def unsupported(strategy: str, call, axes) -> str | None:
-  """Why `strategy` cannot run a call (ringflash._validate.Call) on the sequence axes
-  (names and sizes, first major); None: it can."""
+  """Why `strategy` cannot run a call (ringflash._validate.Call, as one device's heads see
+  it: _validate.per_device) on the sequence axes (names and sizes, first major); None: it
+  can."""
   if strategy in WITHOUT_RING and call.bidirectional:
     return f"bidirectional=True is a schedule of the ring; strategy {strategy!r} has no ring"
   if strategy == "hybrid":
     if len(axes.names) < 2:
       return ("strategy 'hybrid' needs axis_name to be a tuple of at least two mesh axes "
               "(the ring over the first ones, Ulysses over the last)")
-    return unsupported_heads(call.n, call.k, axes.sizes[-1], "hybrid")
-  if strategy == "ulysses":
-    return unsupported_heads(call.n, call.k, axes.size)
-  return None
+    why = unsupported_heads(call.n, call.k, axes.sizes[-1], "hybrid")
+  elif strategy == "ulysses":
+    why = unsupported_heads(call.n, call.k, axes.size)
+  else:
+    return None
+  shards = getattr(call, "head_shards", 1)
+  if why is not None and shards > 1:
+    why += (f" (the heads are split over {shards} devices of other mesh axes: N and K here "
+            f"are each device's)")
+  return why
 
 
 def attention_local(q, k, v, q_seg, kv_seg, spec: Spec):

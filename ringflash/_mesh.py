@@ -112,20 +112,27 @@ def outer_axes(query, mesh: Mesh, axis_name: str):
   return entry_of(batch), entry_of(names(entries[rank - 2]))
 
 
-def check_divisible(query, key, mesh: Mesh, batch, heads):
+def check_divisible(b: int, k: int, mesh: Mesh, batch, heads) -> tuple[int, int]:
+  """The devices the batch and the heads are split over (outer_axes' entries), checked: b
+  (the batch, leading dims flattened) and k (kv heads) must divide over them.
+
+  Raises:
+    ValueError: naming the query batch or the key heads.
+  """
   def size(entry):
     if entry is None:
       return 1
     names = (entry,) if isinstance(entry, str) else entry
     return int(np.prod([mesh.shape[a] for a in names]))
 
-  if query.shape[0] % size(batch):
-    raise ValueError(f"query batch {query.shape[0]} must divide over mesh axes {batch} "
+  if b % size(batch):
+    raise ValueError(f"query batch {b} must divide over mesh axes {batch} "
                      f"({size(batch)} devices)")
-  if key.shape[2] % size(heads):
-    raise ValueError(f"key heads K={key.shape[2]} must divide over the mesh axes {heads} "
+  if k % size(heads):
+    raise ValueError(f"key heads K={k} must divide over the mesh axes {heads} "
                      f"({size(heads)} devices) that query's heads are sharded over, so that "
                      f"each device keeps whole GQA groups")
+  return size(batch), size(heads)
 
 
 def place(x, mesh: Mesh, spec: P):

@@ -67,6 +67,7 @@ class Call:
   sinks: bool
   backend: str
   strategy: str
+  head_shards: int = 1      # per_device's view: the devices of other axes the heads split over
 
   @property
   def batch(self) -> int:
@@ -218,11 +219,6 @@ def check_call(query, key, value, *, segment_ids=None, scale=None, backend="auto
                          length_name=f"{name} sequence length" + (
                              f" ({length} per device)" if local else ""))
   window = check_window(local_window_size, t * scale_t, s * scale_t)
-  local_s = s if local else -(-s // ring_size)
-  if (bidirectional and ring_size > 1 and local_s % 2 and not pads
-      and strategy not in strategies.WITHOUT_RING):     # refused in prepare: no ring
-    raise ValueError(f"bidirectional=True splits each device's keys in two halves; the local "
-                     f"key length must be even, got {local_s}")
   return Call(lead=lead, t=t, s=s, n=n, k=k, h=h, hv=hv, dtype=qd, scale=scale,
               softcap=softcap, window=window, layout=layout,
               bidirectional=bool(bidirectional), is_causal=bool(is_causal),
@@ -526,8 +522,21 @@ def _strategy_spec(strategy: str, kernel_spec: base.KernelSpec, backend: str, ca
   return HybridSpec(ring=ring, ulysses_axis=axes.names[-1], ulysses_size=axes.sizes[-1])
 
 
+def per_device(call: Call, shards: tuple[int, int] = (1, 1), *, ring_size: int = 1) -> Call:
+  """The call as one group of the sequence axes runs it, with global lengths: the batch and
+  the heads divided by the devices of the other mesh axes that split them (shards: batch,
+  heads; _mesh.check_divisible), and local lengths (ring_attention_sharded's) times the
+  ring. What the strategies' head rules and the cost model read."""
+  bs, hs = shards
+  return dataclasses.replace(
+      call, lead=call.lead if bs == 1 else (call.batch // bs,), n=call.n // hs,
+      k=call.k // hs, t=call.t * ring_size, s=call.s * ring_size,
+      head_shards=call.head_shards * hs)
+
+
 def prepare(call: Call, *, block_sizes, axes: SeqAxes, local: bool, platform: str,
-            device, strategy: str | None = None) -> Prepared:
+            device, strategy: str | None = None,
+            shards: tuple[int, int] = (1, 1)) -> Prepared:
   """Resolves the strategy, the backend (the fastest that runs the call, or the named one),
   its tiles, the padding of the sequence (local_lengths) and the strategy's static spec,
   once.
@@ -535,19 +544,32 @@ def prepare(call: Call, *, block_sizes, axes: SeqAxes, local: bool, platform: st
   Args:
     strategy: the strategy to run (a name); None: the call's (resolved by `choose` for
       "auto").
+    shards: the devices of other mesh axes that the batch and the heads are split over
+      (ring_attention's; inside a caller's shard_map the shapes are already per device).
 
   Raises:
-    ValueError: naming block_sizes, when its sizes do not fit.
+    ValueError: naming block_sizes, when its sizes do not fit; naming the key length, when
+      bidirectional=True cannot halve a ring member's keys.
     NotImplementedError: the strategy or the backend cannot run this call.
   """
+  call = per_device(call, shards)
   strategy = strategy or call.strategy
   if strategy == "auto":
     from ringflash.parallel import cost  # pylint: disable=g-import-not-at-top
-    strategy = cost.choose(call, axes, platform=platform, device=device).strategy
+    strategy = cost.choose(per_device(call, ring_size=axes.size if local else 1), axes,
+                           platform=platform, device=device).strategy
   why = strategies.unsupported(strategy, call, axes)
   if why is not None:
     raise NotImplementedError(why)
   p = axes.size
+  if local and call.bidirectional and strategy in ("ring", "hybrid"):
+    # a ring member holds the device's keys (hybrid: those of its Ulysses group)
+    member = call.s * (axes.sizes[-1] if strategy == "hybrid" else 1)
+    if p > (axes.sizes[-1] if strategy == "hybrid" else 1) and member % 2:
+      raise ValueError(f"bidirectional=True splits each ring member's keys in two halves; the "
+                       f"local key length must be even, got {call.s}" + (
+                           f" ({member} in a member of the hybrid ring)"
+                           if strategy == "hybrid" else ""))
   device_kind = getattr(device, "device_kind", "") or ""
   cc = getattr(device, "compute_capability", None)
   reasons = []

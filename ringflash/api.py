@@ -95,15 +95,7 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
     NotImplementedError: the backend cannot run this call (naming it and the feature), or
       forward-mode differentiation.
   """
-  axis_name = _mesh.frozen(axis_name)
-  if mesh is None:
-    if not isinstance(axis_name, str):
-      raise ValueError(f"mesh=None builds a 1-D mesh; axis_name must then be one name, got "
-                       f"{axis_name!r}")
-    mesh = _default_mesh(axis_name)
-  if not isinstance(mesh, Mesh):
-    raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-  _mesh.seq_axes(mesh.shape, axis_name)
+  mesh, axis_name, _ = _mesh_and_axes(mesh, axis_name)
   batch, heads = _mesh.outer_axes(query, mesh, axis_name)
   options = _Options(axis_name=axis_name, is_causal=is_causal, scale=scale,
                      return_residual=return_residual, backend=backend,
@@ -139,18 +131,19 @@ def explain(query, key, value, *, mesh: Mesh | None = None, axis_name="sp", **op
   if unknown:
     raise TypeError(f"explain() got an unexpected keyword argument {unknown[0]!r} (it takes "
                     f"ring_attention's)")
-  axis_name = _mesh.frozen(axis_name)
-  if mesh is None:
-    mesh = _default_mesh(axis_name)
-  axes = _mesh.seq_axes(mesh.shape, axis_name)
+  mesh, axis_name, axes = _mesh_and_axes(mesh, axis_name)
   device = mesh.devices.flat[0]
   block_sizes = options.pop("block_sizes", None)
   call = _validate.check_call(query, key, value, ring_size=axes.size, local=False, pads=True,
                               **options)
-  choice = cost.choose(call, axes, platform=device.platform, device=device)
+  shards = _mesh.check_divisible(call.batch, call.k, mesh,
+                                 *_mesh.outer_axes(query, mesh, axis_name))
+  choice = cost.choose(_validate.per_device(call, shards), axes, platform=device.platform,
+                       device=device)
   strategy = call.strategy if call.strategy != "auto" else choice.strategy
   prepared = _validate.prepare(call, block_sizes=block_sizes, axes=axes, local=False,
-                               platform=device.platform, device=device, strategy=strategy)
+                               platform=device.platform, device=device, strategy=strategy,
+                               shards=shards)
   return dataclasses.replace(choice, strategy=strategy, backend=prepared.backend,
                              tiles=prepared.kernel.tiles)
 
@@ -176,6 +169,23 @@ class _Options:
 @functools.lru_cache(maxsize=1)
 def _default_mesh(axis_name: str) -> Mesh:
   return Mesh(np.array(jax.devices()), (axis_name,))
+
+
+def _mesh_and_axes(mesh, axis_name):
+  """(mesh, axis_name, its SeqAxes), checked: mesh=None is a 1-D mesh of every device.
+
+  Raises:
+    ValueError: naming mesh or axis_name.
+  """
+  axis_name = _mesh.frozen(axis_name)
+  if mesh is None:
+    if not isinstance(axis_name, str):
+      raise ValueError(f"mesh=None builds a 1-D mesh; axis_name must then be one name, got "
+                       f"{axis_name!r}")
+    mesh = _default_mesh(axis_name)
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+  return mesh, axis_name, _mesh.seq_axes(mesh.shape, axis_name)
 
 
 @functools.lru_cache(maxsize=64)
@@ -230,8 +240,9 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
       is_causal=options.is_causal, return_residual=options.return_residual, sinks=sinks,
       logits_soft_cap=options.logits_soft_cap, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, strategy=options.strategy, pads=True)
+  shards = _mesh.check_divisible(call.batch, call.k, mesh, batch, heads)
   prepared = _validate.prepare(call, block_sizes=options.block_sizes, axes=axes, local=False,
-                               platform=device.platform, device=device)
+                               platform=device.platform, device=device, shards=shards)
   t_len, s_len = prepared.t_local * ring_size, prepared.s_local * ring_size
   q_pos = k_pos = q_rows = k_rows = None
   if call.layout != "contiguous":       # rows in layout order: their natural positions
@@ -244,7 +255,6 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
   q, k, v, q_seg, kv_seg = _inputs.canonical(
       call, query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths,
       t_len=t_len, s_len=s_len, q_pos=q_pos, k_pos=k_pos, q_rows=q_rows, k_rows=k_rows)
-  _mesh.check_divisible(q, k, mesh, batch, heads)
 
   x_spec = P(batch, axis_name, heads, None)
   seg_spec = P(batch, axis_name)

@@ -316,8 +316,10 @@ def _decode(query, key_cache, value_cache, cache_lengths, cache_positions, sinks
   axes = _mesh.seq_axes(mesh.shape, options.axis_name)
   call = check(query, key_cache, value_cache, cache_lengths, cache_positions, sinks,
                ring_size=axes.size, options=options)
-  spec = prepare(call, options=options, ring_size=axes.size, device=mesh.devices.flat[0])
-  _mesh.check_divisible(query, key_cache, mesh, batch, heads)
+  bs, hs = _mesh.check_divisible(call.b, call.k, mesh, batch, heads)
+  # The kernel's problem is one device's: batch and heads split over the other axes.
+  spec = prepare(dataclasses.replace(call, b=call.b // bs, n=call.n // hs, k=call.k // hs),
+                 options=options, ring_size=axes.size, device=mesh.devices.flat[0])
   cache_spec = P(batch, options.axis_name, heads, None)
   q_spec = P(batch, None, heads, None)
   row_spec = P(batch)

@@ -196,6 +196,22 @@ def test_a_window_reaches_past_the_cache_size(strategy):
     _close(got, _reference(q, key, v, lengths, positions=positions, window=40))
 
 
+@pytest.mark.parametrize("strategy", ["reduce", "ring"])
+def test_a_tuple_of_axes_in_another_order_than_the_mesh(strategy):
+  """The cache split over ("u", "r") on a mesh ("r", "u"): slot order follows the tuple, and
+  the ring strategy's permutes (JAX takes them in the mesh's order only) follow it too."""
+  from jax.sharding import Mesh
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("r", "u"))
+  q, key, v = _inputs(37, 2, 2, 64, 4, 2, 8)
+  lengths = jnp.array([50, 23])
+  seq = NamedSharding(mesh, P(None, ("u", "r")))
+  got = ringflash.decode_attention(q, *(jax.device_put(x, seq) for x in (key, v)),
+                                   cache_lengths=lengths, mesh=mesh, axis_name=("u", "r"),
+                                   strategy=strategy, local_window_size=30,
+                                   return_residual=True)
+  _close(got, _reference(q, key, v, lengths, window=30))
+
+
 def test_a_window_of_any_int32_distance_is_exact():
   """Keys near INT32_MIN and a query near 2**30 are 3 * 2**30 apart: a window of 2**32 - 1
   sees them, one of 2**31 - 1 does not (its lower edge is below INT32_MIN: no overflow)."""

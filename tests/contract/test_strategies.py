@@ -17,7 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 
+import helpers
+import oracle
 import ringflash
 
 from contract import base
@@ -121,3 +124,109 @@ def test_what_a_strategy_cannot_run_is_not_implemented_naming_it(strategy, optio
   with pytest.raises(NotImplementedError, match=says):
     jax.jit(lambda q, kv: ringflash.ring_attention(
         q, kv, kv, mesh=mesh, axis_name=axis_name, strategy=strategy, **options)).lower(q, kv)
+
+
+def _fwd_bwd_against_oracle(fn, q, k, v, **oracle_options):
+  """fn(q, k, v) -> (out, lse) against the oracle, forward and the vjp of a cos cotangent."""
+  (out, lse), vjp = jax.vjp(fn, q, k, v)
+  (ref, ref_lse), ref_vjp = jax.vjp(
+      lambda q, k, v: oracle.attention(q, k, v, **oracle_options), q, k, v)
+  got = (out, lse) + vjp((jnp.cos(out), jnp.zeros_like(lse)))
+  want = (ref, ref_lse) + ref_vjp((jnp.cos(ref), jnp.zeros_like(ref_lse)))
+  for g, r in zip(got, want):
+    assert helpers.max_err(g, r) <= helpers.fp32_tol(r)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "hybrid"])
+def test_a_tuple_of_axes_in_another_order_than_the_mesh(strategy):
+  """axis_name's axes in an order other than the mesh's: the sequence is split over them in
+  the order given, and the ring's permutes (which JAX takes in the mesh's order only) follow
+  it. The ring raised JAX's RuntimeError; all-gather and Ulysses ran."""
+  shape, names, axis_name = {"ring": ((2, 4), ("r", "u"), ("u", "r")),
+                             "hybrid": ((2, 2, 2), ("a", "b", "u"), ("b", "a", "u"))}[strategy]
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
+  q, k, v, _ = helpers.inputs(23, 1, 64, 64, 4, 2, 8, jnp.float32)
+
+  def fn(q, k, v):
+    return ringflash.ring_attention(q, k, v, mesh=mesh, axis_name=axis_name, is_causal=True,
+                                    strategy=strategy, return_residual=True,
+                                    bidirectional=strategy == "ring")
+
+  _fwd_bwd_against_oracle(jax.jit(fn), q, k, v, causal=True)
+
+
+def test_hybrid_bidirectional_halves_a_members_keys_not_a_devices():
+  """Inside a caller's shard_map with 5 keys a device: a hybrid ring member holds the 10 of
+  its Ulysses pair, which halve; it was refused as an odd local length."""
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("r", "u"))
+  q, k, v, _ = helpers.inputs(29, 1, 20, 20, 4, 2, 8, jnp.float32)
+  spec = jax.sharding.PartitionSpec(None, ("r", "u"))
+
+  def local(q, k, v):
+    return ringflash.ring_attention_sharded(q, k, v, axis_name=("r", "u"), strategy="hybrid",
+                                            bidirectional=True, is_causal=True,
+                                            return_residual=True)
+
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3,
+                             out_specs=(spec, jax.sharding.PartitionSpec(None, None,
+                                                                         ("r", "u")))))
+  _fwd_bwd_against_oracle(fn, q, k, v, causal=True)
+  with pytest.raises(ValueError, match="must be even, got 5"):
+    jax.jit(jax.shard_map(
+        lambda q, k, v: ringflash.ring_attention_sharded(q, k, v, axis_name=("r", "u"),
+                                                         strategy="ring", bidirectional=True),
+        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)).lower(q, k, v)
+
+
+def test_heads_split_over_another_axis_are_what_ulysses_divides():
+  """Heads sharded over "model" (2) and Ulysses over "sp" (4): N = 4 leaves 2 heads a device,
+  which do not divide over 4; that is a NotImplementedError saying so (it passed the check
+  of N = 4 and failed inside JAX's all_to_all), and explain reports ulysses as not possible.
+  N = 8 (4 a device) runs, exactly."""
+  devices = np.array(jax.devices()[:8]).reshape(2, 4)
+  mesh = Mesh(devices, ("model", "sp"))
+  heads = NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sp", "model"))
+  for n, runs in ((4, False), (8, True)):
+    q, k, v, _ = helpers.inputs(31, 1, 32, 32, n, 2, 8, jnp.float32)
+    q, k, v = (jax.device_put(x, heads) for x in (q, k, v))
+    ulysses = next(e for e in ringflash.explain(q, k, v, mesh=mesh).estimates
+                   if e.strategy == "ulysses")
+    assert (ulysses.reason is None) == runs, ulysses
+
+    def fn(q, k, v):
+      return ringflash.ring_attention(q, k, v, mesh=mesh, strategy="ulysses",
+                                      return_residual=True)
+
+    if runs:
+      _fwd_bwd_against_oracle(fn, q, k, v)
+    else:
+      with pytest.raises(NotImplementedError, match=r"N=2 query heads.*split over 2 devices"):
+        fn(q, k, v)
+
+
+def test_the_cost_model_sees_one_devices_batch_and_the_global_sequence(monkeypatch):
+  """explain's estimates on a (data 2, sp 4) mesh with B = 2 split over data are those of
+  B = 1 on 4 devices (the per-device program is the same; they were doubled), and
+  ring_attention_sharded's "auto" asks the cost model with the global lengths (it gave it
+  the local ones, as if the sequence were P times shorter)."""
+  from ringflash.parallel import cost
+  devices = np.array(jax.devices()[:8])
+  wide = Mesh(devices.reshape(2, 4), ("data", "sp"))
+  batch = NamedSharding(wide, jax.sharding.PartitionSpec("data", "sp"))
+  shapes = [jax.ShapeDtypeStruct((2, 4096, 4, 64), jnp.bfloat16, sharding=batch)] * 3
+  one = [jax.ShapeDtypeStruct((1, 4096, 4, 64), jnp.bfloat16)] * 3
+  got = ringflash.explain(*shapes, mesh=wide, is_causal=True)
+  want = ringflash.explain(*one, mesh=Mesh(devices[:4], ("sp",)), is_causal=True)
+  assert got.estimates == want.estimates and got.common_bytes == want.common_bytes
+
+  seen = []
+  choose = cost.choose
+  monkeypatch.setattr(cost, "choose", lambda call, *a, **kw: seen.append(call) or choose(
+      call, *a, **kw))
+  mesh = Mesh(devices[:4], ("sp",))
+  spec = jax.sharding.PartitionSpec(None, "sp")
+  x = jnp.zeros((1, 64, 4, 8))
+  jax.jit(jax.shard_map(lambda q, k, v: ringflash.ring_attention_sharded(q, k, v,
+                                                                         axis_name="sp"),
+                        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)).lower(x, x, x)
+  assert [(c.t, c.s) for c in seen] == [(64, 64)]
