@@ -29,10 +29,16 @@ def test_bench_mode_writes_rows(tmp_path, mode):
     assert len(rows) == 1 and rows[0]["P"] == 2 and rows[0]["one_ms"] > 0
 
 
+def _timing(flags) -> list[str]:
+  """The fewest timed calls, for the modes that time calls (longest runs each length once and
+  refuses --warmup and --iters)."""
+  return [] if "--mode=longest" in flags else ["--warmup=0", "--iters=1"]
+
+
 def _bench(tmp_path, *flags, devices=2):
   env = dict(os.environ, JAX_PLATFORMS="cpu", RINGFLASH_DEVICES_PER_PROCESS=str(devices))
   cmd = [sys.executable, "-m", "ringflash.cli", "bench", "--kv_heads=1", "--heads=2",
-         "--head_dim=32", "--warmup=0", "--iters=1", f"--out={tmp_path}", *flags]
+         "--head_dim=32", *_timing(flags), f"--out={tmp_path}", *flags]
   done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
   return done.stdout
@@ -188,7 +194,7 @@ def test_features_mode_takes_the_head_dim_of_its_plain_rows(tmp_path):
 def _refused(tmp_path, *flags, devices=4):
   """The one line of a bench that refuses its flags (status 2) before anything ran."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", RINGFLASH_DEVICES_PER_PROCESS=str(devices))
-  cmd = [sys.executable, "-m", "ringflash.cli", "bench", "--warmup=0", "--iters=1",
+  cmd = [sys.executable, "-m", "ringflash.cli", "bench", *_timing(flags),
          f"--out={tmp_path / 'out'}", *flags]
   done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -209,6 +215,50 @@ def test_strategies_mode_refuses_what_the_devices_refute(tmp_path, flags, says):
                   "--kv_heads=2", "--head_dim=32", *flags)
   assert line.startswith(says), line
   assert not os.path.exists(tmp_path / "out")        # refused before its folder was made
+
+
+_SMALL = ("--seq_lens=64", "--kv_heads=2", "--heads=2", "--head_dim=16")
+
+
+@pytest.mark.parametrize("flags,says", [
+    # longest compiles each length and runs it once: no untimed calls, no median
+    (["--mode=longest", "--iters=1000"], "--iters applies to --mode=kernels | "),
+    (["--mode=longest", "--warmup=50"], "--warmup applies to --mode=kernels | "),
+    # the layout of causal rows, and none is run (non-causal rows are contiguous)
+    (["--mode=scaling", "--causal=false", "--layout=striped", "--warmup=0", "--iters=1"],
+     "--layout=striped applies to causal rows, and --causal=false runs none"),
+    # an option of XLA's GPU compiler, on CPU devices
+    (["--mode=scaling", "--collectives_in_flight=5", "--warmup=0", "--iters=1"],
+     "--collectives_in_flight is an option of XLA's GPU compiler, and this job's devices "
+     "are cpu"),
+    (["--mode=longest", "--collectives_in_flight=2"], "--collectives_in_flight is an option "
+                                                      "of XLA's GPU compiler"),
+])
+def test_a_flag_that_cannot_take_effect_is_refused(tmp_path, flags, says):
+  line = _refused(tmp_path, *_SMALL, *flags, devices=2)
+  assert line.startswith(f"ringflash bench: {says}"), line
+  assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("flags", [
+    ["--mode=scaling", "--causal=false", "--layout=contiguous"],   # what its rows run
+    ["--mode=scaling", "--causal=false,true", "--layout=striped"],
+    ["--mode=longest", "--layout=striped"],                         # every row causal
+    ["--mode=scaling", "--causal=false"],     # the default layout (zigzag): not given
+])
+def test_a_layout_that_can_take_effect_or_was_not_given_is_taken(flags):
+  from ringflash.cli import bench
+  f = types.SimpleNamespace(
+      mode="scaling", seq_lens=["64"], heads=2, kv_heads=["2"], head_dim=16, batch=1,
+      causal=["false", "true"], impls=["ringflash"], xla_max_len=16, gqa_seq_lens=["64"],
+      warmup=2, iters=5, ring_sizes=["2"], out="out", layout="zigzag", run_max_len=64,
+      variants=["plain"], new_tokens=1, cache_lens=["64"])
+  given = ["seq_lens"]
+  for flag in flags:
+    name, value = flag[2:].split("=")
+    setattr(f, name, value.split(",") if name == "causal" else value)
+    given += [name] if name != "mode" else []
+  bench.check_flags(f, given=given)
 
 
 def test_scaling_mode_refuses_an_hlo_dir_it_cannot_use(tmp_path):

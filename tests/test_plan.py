@@ -71,6 +71,64 @@ def test_auto_plans_the_cost_models_choice_and_shows_every_strategy(capsys):
   assert f"* {r['strategy']}" in out and "ulysses    not possible" in out
 
 
+
+_TINY = dict(batch=1, seq_len=96, heads=8, kv_heads=8, head_dim=128, dtype="bfloat16",
+             causal=False, mode="forward", breakdown=False)
+
+
+@needs_libtpu
+def test_the_plan_reports_the_backend_and_tiles_ring_attention_runs(capsys):
+  """12 tokens per chip of v5p:2x2x2 are not a multiple of the TPU kernel's 8 rows:
+  ring_attention pads each shard to 16 and runs the Mosaic kernel. The plan once read the
+  backend off the unpadded shard, said xla (auto) and refused --backend=pallas_tpu."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax import sharding  # pylint: disable=g-import-not-at-top
+  import ringflash  # pylint: disable=g-import-not-at-top
+
+  # The oracle: what ring_attention compiles to for these arrays (Mosaic kernels are
+  # tpu_custom_calls in the compiled module).
+  mesh = sharding.Mesh(np.array(planner.topology_devices("v5p:2x2x2")), ("sp",))
+  shards = sharding.NamedSharding(mesh, sharding.PartitionSpec(None, "sp", None, None))
+  args = [jax.ShapeDtypeStruct((1, 96, 8, 128), "bfloat16", sharding=shards)] * 3
+  text = jax.jit(lambda q, k, v: ringflash.ring_attention(q, k, v, mesh=mesh)).lower(
+      *args).compile().as_text()
+  assert "tpu_custom_call" in text
+  for backend in ("auto", "pallas_tpu"):
+    r = planner.plan("v5p:2x2x2", backend=backend, **_TINY)
+    assert r["backend"] == "pallas_tpu" and r["fits"], (backend, r["backend"])
+    assert (r["block_q"], r["block_k"]) == (16, 16)        # the padded shard, whole
+  r = planner.plan("v5p:2x2x2", backend="auto", strategy="auto", **_TINY)
+  planner.print_plan(r)
+  header, table = capsys.readouterr().out.splitlines()[:2]
+  said = re.search(r"backend (\w+), tiles \w+\(block_q=(\d+), block_k=(\d+)", table)
+  assert f"backend {said[1]}, strategy {r['strategy']}," in header, (header, table)
+  assert f"blocks bq={said[2]} bk={said[3]}" in header, (header, table)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("backend,strategy,heads,says", [
+    # pallas_gpu refuses TPU devices; auto runs the ring: the backend's refusal.
+    ("pallas_gpu", "ring", 8, "--backend=pallas_gpu cannot run these flags: backend "
+                              "'pallas_gpu' runs on GPUs"),
+    # Ulysses shards 4 heads over 8 chips: the strategy's, whatever the backend.
+    ("auto", "ulysses", 4, "--strategy=ulysses cannot run these flags: .*multiple of 8"),
+    ("pallas_tpu", "ulysses", 4, "--strategy=ulysses cannot run these flags: .*multiple of 8"),
+    # Neither alone: both named.
+    ("pallas_gpu", "ulysses", 4, "--backend=pallas_gpu --strategy=ulysses cannot run these "
+                                 "flags: "),
+])
+def test_a_refusal_names_the_flags_that_refuse(backend, strategy, heads, says):
+  model = _TINY | {"heads": heads, "kv_heads": heads}
+  with pytest.raises(UsageError, match=says) as refused:
+    planner.plan("v5p:2x2x2", backend=backend, strategy=strategy, **model)
+  assert "\n" not in str(refused.value)
+  if backend == "auto":
+    assert "--backend" not in str(refused.value)
+  if strategy == "ring":
+    assert "--strategy" not in str(refused.value)
+
+
 @needs_libtpu
 def test_a_plan_the_compiler_cannot_fit_says_which_memory_and_exits_1():
   # GQA 32/8, d128, causal forward, 1,048,576 tokens per chip of v5e:2x4 (16 GB): the

@@ -259,9 +259,12 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
     (arguments ... all_gathers, breakdown) are None. breakdown is a Breakdown (None when not
     asked or not readable); unavoidable the bytes of the step's unavoidable arrays.
 
+  backend, block_q and block_k are those ringflash.explain resolves for the global arrays,
+  which ring_attention runs (it pads a sequence its kernels do not tile).
+
   Raises:
     UsageError: libtpu rejects the topology, seq_len does not divide over its devices, or
-      ringflash cannot run these shapes with this backend.
+      ringflash.explain refuses the flags (naming --backend, --strategy or both: _refusal).
   """
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   import jax  # pylint: disable=g-import-not-at-top
@@ -271,7 +274,6 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
   import ringflash  # pylint: disable=g-import-not-at-top
-  from ringflash import introspect  # pylint: disable=g-import-not-at-top
 
   devices = topology_devices(topology)
   ring = len(devices)
@@ -279,44 +281,37 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
     raise UsageError(f"--seq_len={seq_len} must be divisible by the {ring} devices of "
                      f"--topology={topology}")
   dt = jnp.dtype(dtype)
-  local = [jax.ShapeDtypeStruct((batch, seq_len // ring, h, head_dim), dt)
-           for h in (heads, kv_heads, kv_heads)]
-  try:
-    spec = introspect.ring_spec(*local, ring_size=ring, device=devices[0], is_causal=causal,
-                                backend=backend)
-  except (ValueError, NotImplementedError) as err:
-    raise UsageError(f"--backend={backend} cannot run these flags: {err}") from None
-  hbm = HBM_BYTES.get(topology.split(":")[0])
-  shapes = Shapes(batch=batch, tokens=seq_len // ring, heads=heads, kv_heads=kv_heads,
-                  head_dim=head_dim, dtype=dtype, train=mode == "train")
-  report = {
-      "topology": topology, "chips": ring, "device_kind": devices[0].device_kind,
-      "backend": spec.backend, "strategy": strategy, "mode": mode,
-      "tokens_per_chip": seq_len // ring,
-      "block_q": spec.kernel.block_q, "block_k": spec.kernel.block_k, "hbm": hbm,
-      "arguments": None, "temporaries": None, "outputs": None, "total": None, "fits": None,
-      "permutes_per_step": None, "all_gathers": None, "out_of_memory": None,
-      "breakdown": None, "unavoidable": shapes.unavoidable(),
-  }
-
   mesh = Mesh(np.array(devices), ("sp",))
   sharding = NamedSharding(mesh, P(None, "sp", None, None))
   args = [jax.ShapeDtypeStruct((batch, seq_len, h, head_dim), dt, sharding=sharding)
           for h in (heads, kv_heads, kv_heads)]
 
-  try:       # the cost model's choice ("auto") and its estimate of each strategy
-    choice = ringflash.explain(*args, mesh=mesh, is_causal=causal, backend=backend,
-                               strategy=strategy)
-  except (ValueError, NotImplementedError) as err:
-    raise UsageError(f"--strategy={strategy} cannot run these flags: {err}") from None
-  report |= {"strategy": choice.strategy, "requested": strategy, "explain": str(choice),
-             # the tiles of the strategy's kernel calls (Ulysses': the whole sequence)
-             "block_q": getattr(choice.tiles, "block_q", report["block_q"]),
-             "block_k": getattr(choice.tiles, "block_k", report["block_k"])}
+  def explain(backend, strategy):
+    return ringflash.explain(*args, mesh=mesh, is_causal=causal, backend=backend,
+                             strategy=strategy)
 
-  def attn(q, k, v):
-    return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal, backend=backend,
-                                    strategy=choice.strategy)
+  try:     # what ring_attention runs: the strategy (auto: the cost model's), backend, tiles
+    choice = explain(backend, strategy)
+  except (ValueError, NotImplementedError) as err:
+    raise UsageError(_refusal(explain, backend, strategy, err)) from None
+  hbm = HBM_BYTES.get(topology.split(":")[0])
+  shapes = Shapes(batch=batch, tokens=seq_len // ring, heads=heads, kv_heads=kv_heads,
+                  head_dim=head_dim, dtype=dtype, train=mode == "train")
+  report = {
+      "topology": topology, "chips": ring, "device_kind": devices[0].device_kind,
+      "backend": choice.backend, "strategy": choice.strategy, "requested": strategy,
+      "explain": str(choice), "mode": mode, "tokens_per_chip": seq_len // ring,
+      # the tiles of the strategy's kernel calls (Ulysses': over the whole sequence)
+      "block_q": getattr(choice.tiles, "block_q", None),
+      "block_k": getattr(choice.tiles, "block_k", None), "hbm": hbm,
+      "arguments": None, "temporaries": None, "outputs": None, "total": None, "fits": None,
+      "permutes_per_step": None, "all_gathers": None, "out_of_memory": None,
+      "breakdown": None, "unavoidable": shapes.unavoidable(),
+  }
+
+  def attn(q, k, v):      # the backend and strategy resolved: what the report says
+    return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=causal,
+                                    backend=choice.backend, strategy=choice.strategy)
 
   if mode == "train":
     fn = jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) ** 2),
@@ -345,6 +340,30 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
       "all_gathers": len(re.findall(r" all-gather(?:-start)?\(", text)),
       "breakdown": found,
   }
+
+
+def _refusal(explain, backend: str, strategy: str, err: Exception) -> str:
+  """The one line of a refusal by ringflash.explain, naming the flags that refuse.
+
+  The flag is the one whose automatic choice runs: --backend when explain runs these flags with
+  backend "auto" (the named backend refuses them), else --strategy when it runs them with
+  strategy "auto"; else both, as given.
+
+  Args:
+    explain: explain(backend, strategy) -> the choice of ringflash.explain for these flags.
+  """
+  def runs(b, s):
+    try:
+      explain(b, s)
+    except (ValueError, NotImplementedError):
+      return False
+    return True
+
+  if backend != "auto" and runs("auto", strategy):
+    return f"--backend={backend} cannot run these flags: {err}"
+  if strategy != "auto" and runs(backend, "auto"):
+    return f"--strategy={strategy} cannot run these flags: {err}"
+  return f"--backend={backend} --strategy={strategy} cannot run these flags: {err}"
 
 
 def _permutes_per_loop_body(text: str) -> list[int]:

@@ -39,9 +39,11 @@ each round times one call of each, in an order that rotates between rounds, so t
 of the device's clock falls on all of them alike; the ratio to cuDNN is the median of the
 rounds' ratios.
 
-Failures: a flag out of range is a usage error (status 2) before any work; what only the
-devices can refute (the strategies mode's --heads and --ulysses_size, --hlo_dir on one device)
-once they are known, before anything compiles. When ringflash's
+Failures: a flag out of range, or given where it cannot take effect (a mode that does not
+read it, --layout without a causal row), is a usage error (status 2) before any work; what
+only the devices can refute (the strategies mode's --heads and --ulysses_size, --hlo_dir on
+one device, --collectives_in_flight off GPUs) once they are known, before anything compiles.
+When ringflash's
 own implementation (ringflash or xla) fails, the command prints its error and exits with
 status 1; a peer baseline that fails (cuDNN on a CPU) is left out of its rows, its error
 printed and recorded.
@@ -80,14 +82,16 @@ def define_flags() -> None:
   flags.DEFINE_list("impls", list(harness.IMPLEMENTATIONS), "kernels: implementations")
   flags.DEFINE_integer("xla_max_len", 16384, "kernels, features: skip the xla backend above this T")
   flags.DEFINE_list("gqa_seq_lens", ["16384"], "kernels: sequence lengths of the GQA rows")
-  flags.DEFINE_integer("warmup", 2, "untimed calls (kernels mode: at least one, the compile)")
-  flags.DEFINE_integer("iters", 5, "timed calls (median); kernels mode: rounds")
+  flags.DEFINE_integer("warmup", 2, "every mode but longest (which runs each length once): "
+                       "untimed calls (kernels mode: at least one, the compile)")
+  flags.DEFINE_integer("iters", 5, "every mode but longest: timed calls (median); kernels "
+                       "mode: rounds")
   flags.DEFINE_list("ring_sizes", ["2", "4", "8"], "virtual, layouts: ring sizes P")
   flags.DEFINE_string("out", "bench_out", "folder for JSON and PNG")
   flags.DEFINE_bool("backward", True,
                     "kernels, features, scaling, strategies: also time forward+backward")
   flags.DEFINE_enum("layout", "zigzag", ["contiguous", "zigzag", "striped"],
-                    "scaling, longest: layout of the causal rows")
+                    "scaling (with a causal row), longest: layout of the causal rows")
   flags.DEFINE_string("hlo_dir", "", "scaling, on 2 or more devices: write each ring "
                       "program's compiled HLO here")
   option = harness.OVERLAP_OPTION
@@ -108,9 +112,14 @@ def define_flags() -> None:
 
 
 # The flags that only some modes read, and those modes: given on the command line with any
-# other mode, such a flag is a usage error, not silently ignored.
+# other mode, such a flag is a usage error, not silently ignored (as are --layout given to
+# scaling without a causal row, and --collectives_in_flight off GPUs: check_flags,
+# check_devices).
 MODE_FLAGS = {
     "seq_lens": tuple(m for m in MODES if m != "decode"),
+    # longest compiles each length and runs it once (harness.seconds), untimed calls none
+    "warmup": tuple(m for m in MODES if m != "longest"),
+    "iters": tuple(m for m in MODES if m != "longest"),
     "causal": ("kernels", "features", "scaling", "strategies"),
     "backward": ("kernels", "features", "scaling", "strategies"),
     "impls": ("kernels",),
@@ -194,6 +203,11 @@ def check_flags(f, given=()) -> None:
     raise UsageError("--out must name a folder")
   if f.mode == "kernels":
     _check_kernel_rows(f, seq_lens)
+  # scaling runs non-causal rows in the contiguous layout; longest's rows are all causal.
+  if (f.mode == "scaling" and "layout" in given and f.layout != "contiguous"
+      and "true" not in causal):
+    raise UsageError(f"--layout={f.layout} applies to causal rows, and --causal="
+                     f"{','.join(f.causal)} runs none (the others run contiguous)")
   # The zigzag layout cuts each device's rows in two chunks: the layouts mode always runs
   # its tiles; scaling (causal rows) and longest run it when --layout=zigzag.
   zigzag = f.mode == "layouts" or (f.layout == "zigzag" and (
@@ -218,12 +232,22 @@ def _check_kernel_rows(f, seq_lens: list[int]) -> None:
                      f"above --xla_max_len={f.xla_max_len}")
 
 
-def check_devices(f, devices: list) -> None:
+def check_devices(f, devices: list, given=()) -> None:
   """Checks what only the job's devices can refute, before anything compiles.
+
+  Args:
+    f: the parsed flags (absl's FLAGS, or anything with the same attributes).
+    devices: the job's devices.
+    given: the names of the flags set on the command line.
 
   Raises:
     UsageError: one line naming the flag.
   """
+  # harness.compiler_options passes XLA options on GPUs only: elsewhere the flag is read by none
+  platform = devices[0].platform
+  if "collectives_in_flight" in given and platform != "gpu":
+    raise UsageError(f"--collectives_in_flight is an option of XLA's GPU compiler, and this "
+                     f"job's devices are {platform}")
   if f.mode == "scaling" and f.hlo_dir and len(devices) < 2:
     raise UsageError("--hlo_dir: the scaling mode writes the programs of rings of 2 or more "
                      "devices, and this job has 1 device")
@@ -235,12 +259,13 @@ def check_devices(f, devices: list) -> None:
 def main(argv):
   """Checks the flags, runs the mode, writes bench_<mode>.json (and the kernels plot)."""
   del argv
-  check_flags(FLAGS, given=[name for name in MODE_FLAGS if FLAGS[name].present])
+  given = [name for name in MODE_FLAGS if FLAGS[name].present]
+  check_flags(FLAGS, given=given)
   from ringflash.launch import distributed  # pylint: disable=g-import-not-at-top
 
   distributed.initialize()      # a multi-process job (RINGFLASH_* set) joins before any device use
   with distributed.exit_promptly_on_error("bench"):
-    check_devices(FLAGS, jax.devices())
+    check_devices(FLAGS, jax.devices(), given=given)
     # Last, as checking a folder creates it.
     for name in ("out", "hlo_dir"):
       problem = FLAGS[name].value and distributed.directory_problem(FLAGS[name].value)
