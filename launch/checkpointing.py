@@ -11,12 +11,17 @@ Restore walks the steps from the newest down and takes the first one that is com
 verified:
   * temporary (partial) directories are never loaded; each one is reported by step;
   * a `<step>` directory whose metadata the caller refuses (another run configuration), that
-    fails to load, or whose arrays do not match the fingerprints saved with them (a
-    corrupted file), is skipped with a message naming the step;
+    fails to load, whose arrays do not match the fingerprints saved with them (a corrupted
+    file), or whose contents the caller refuses once loaded (the state of another step, in a
+    folder copied under the wrong name), is skipped with a message naming the step;
 and restores the arrays directly into the target shardings (the caller's abstract state),
 which may belong to a different mesh than the one that saved them. When complete steps exist
-but none of them restores, restore raises NoUsableCheckpointError naming each step and why:
-a run that started again at step 0 would save over them.
+but none of them restores, restore raises NoUsableCheckpointError naming each step and why.
+
+Orbax saves only steps after the newest complete one it sees, so complete steps newer than
+the restored one (skipped: unusable) would make every later save of the resumed run a silent
+no-op. `move_aside` renames them to `<step>.unusable` (which neither orbax nor
+`partial_steps` reads as a step), kept for inspection.
 """
 
 from __future__ import annotations
@@ -34,6 +39,20 @@ import orbax.checkpoint as ocp
 
 _PARTIAL = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 _STEP = re.compile(r"^(\d+)$")
+UNUSABLE_SUFFIX = ".unusable"
+# What loading a damaged or foreign step raises (besides orbax's plain Exception).
+_LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError)
+
+
+def finalized_steps(directory: str) -> list[int]:
+  """Steps with a finalized `<step>` folder in `directory` (as orbax names a complete save;
+  not verified), newest first; [] when the directory does not exist. Reads the file system
+  only: no orbax manager, no device."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted((int(name) for name in os.listdir(directory)
+                 if _STEP.match(name) and os.path.isdir(os.path.join(directory, name))),
+                reverse=True)
 
 
 def fingerprint(tree) -> dict[str, int]:
@@ -79,7 +98,9 @@ def _word_sums(leaves):
 
 
 class NoUsableCheckpointError(Exception):
-  """Complete checkpoints exist, but none of them restores.
+  """Complete checkpoints exist, but none of them restores. The message names each step and
+  why; what that means for the run (train refuses to start at step 0 over them) is the
+  caller's to add.
 
   Attributes:
     directory: the checkpoint directory.
@@ -91,17 +112,22 @@ class NoUsableCheckpointError(Exception):
     self.tried = tried
     reasons = "; ".join(f"step {step}: {why}" for step, why in tried)
     super().__init__(f"none of the {len(tried)} complete checkpoint(s) in {directory} "
-                     f"restores ({reasons}); refusing to start again at step 0, which would "
-                     f"save over them")
+                     f"restores ({reasons})")
 
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-  """A restored checkpoint: the state pytree (in the target shardings) and its JSON metadata."""
+  """A restored checkpoint: the state pytree (in the target shardings) and its JSON metadata.
+
+  Attributes:
+    skipped: the complete steps newer than `step` that were tried and refused, newest first
+      (see Checkpoints.move_aside).
+  """
 
   step: int
   state: Any
   meta: dict
+  skipped: tuple[int, ...] = ()
 
 
 class Checkpoints:
@@ -136,7 +162,8 @@ class Checkpoints:
     under "fingerprint".
 
     Returns:
-      True if a save was started.
+      True if a save was started. False also when the step is due (or forced) but orbax
+      refuses it: it saves only steps after the newest one it holds (latest_step).
     """
     if step % self.save_every and not force:
       return False
@@ -152,6 +179,10 @@ class Checkpoints:
     self._manager.wait_until_finished()
     self._manager.close()
 
+  def latest_step(self) -> int | None:
+    """The newest step orbax holds (complete, or being saved by this manager), or None."""
+    return self._manager.latest_step()
+
   def complete_steps(self) -> list[int]:
     """Steps with a finalized directory, newest first (not yet verified)."""
     self._manager.reload()
@@ -165,8 +196,40 @@ class Checkpoints:
              if (m := _PARTIAL.match(name))}
     return sorted(found, reverse=True)
 
+  def move_aside(self, steps) -> list[tuple[int, str]]:
+    """Renames the complete step folders `steps` to `<step>.unusable` (`-2`, `-3`, ... added
+    when that name exists), so that orbax's newest step is the one restored and the resumed
+    run's saves start; then reloads orbax. Each move is logged with where the folder went.
+
+    In a job of several processes only process 0 renames; every process must call this at
+    the same point (it ends with a barrier, after which all of them see the new folders).
+
+    Returns:
+      (step, new path) of each folder moved (on process 0; [] elsewhere).
+    """
+    moved = []
+    if jax.process_index() == 0:
+      for step in steps:
+        source = os.path.join(self.directory, str(step))
+        target = source + UNUSABLE_SUFFIX
+        n = 1
+        while os.path.exists(target):
+          n += 1
+          target = f"{source}{UNUSABLE_SUFFIX}-{n}"
+        os.rename(source, target)
+        moved.append((step, target))
+        self._log(f"checkpoint: moved unusable step {step} aside, to {target} (newer than "
+                  f"the step restored, it would stop every later save)")
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices("ringflash_checkpoints_moved_aside")
+    self._manager.reload()
+    return moved
+
   def restore_latest(self, abstract_state,
-                     check_meta: Callable[[dict], str | None] | None = None) -> Restored | None:
+                     check_meta: Callable[[dict], str | None] | None = None,
+                     check_restored: Callable[[int, Any, dict], str | None] | None = None,
+                     ) -> Restored | None:
     """The newest complete, verified checkpoint, restored into `abstract_state`'s shardings.
 
     Args:
@@ -174,6 +237,9 @@ class Checkpoints:
         same structure as the saved state.
       check_meta: called with a step's JSON metadata before its arrays are read; returns why
         the step cannot be resumed (e.g. saved by another run configuration), or None.
+      check_restored: called with (the folder's step, the restored and verified state, the
+        metadata); returns why the step cannot be resumed (e.g. the folder holds the state of
+        another step), or None.
 
     Returns:
       Restored, or None when there is no complete checkpoint (partial ones are reported).
@@ -189,17 +255,17 @@ class Checkpoints:
                   f"(temporary directory of an interrupted write) in {self.directory}")
     tried = []
     for step in sorted(complete, reverse=True):
-      restored, problem = self._try_restore(step, abstract_state, check_meta)
+      restored, problem = self._try_restore(step, abstract_state, check_meta, check_restored)
       if restored is not None:
-        return restored
+        return dataclasses.replace(restored, skipped=tuple(s for s, _ in tried))
       self._log(f"checkpoint: skipping step {step}: {problem}")
       tried.append((step, problem))
     if tried:
       raise NoUsableCheckpointError(self.directory, tried)
     return None
 
-  def _try_restore(self, step: int, abstract_state,
-                   check_meta) -> tuple[Restored | None, str]:
+  def _try_restore(self, step: int, abstract_state, check_meta,
+                   check_restored) -> tuple[Restored | None, str]:
     step_dir = os.path.join(self.directory, str(step))
     meta_file = os.path.join(step_dir, "meta", "metadata")
     try:
@@ -216,7 +282,11 @@ class Checkpoints:
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state)))
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
+    except Exception as err:  # pylint: disable=broad-except
+      # orbax wraps TensorStore's read errors (a damaged data file) in a plain Exception:
+      # those and the errors of reading files skip the step; anything else is a bug, raised.
+      if type(err) is not Exception and not isinstance(err, _LOAD_ERRORS):
+        raise
       first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
       return None, f"cannot be loaded ({type(err).__name__}: {first[:300]})"
     state = out["state"]
@@ -225,5 +295,8 @@ class Checkpoints:
     if bad:
       return None, (f"arrays differ from the fingerprints saved with them (corrupted): "
                     f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}")
+    problem = check_restored(step, state, meta) if check_restored is not None else None
+    if problem:
+      return None, problem
     return Restored(step=step, state=state, meta=meta), ""
 

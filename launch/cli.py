@@ -12,11 +12,16 @@ target; its own flags (a flag of the other target is refused, directories must b
 the job: its first word must be a ringflash subcommand, and the flags of `check` and `train`
 are parsed and checked here exactly as the job will check them, with the job's device count
 where the launch knows it (local: N x M), so that `-- train --ring=16` on 2 x 4 devices fails
-here rather than in every process.
+here rather than in every process. A help flag in the job (`-- train --help`) is refused:
+`ringflash train --help` prints the job's flags.
+
+Logs go to --log_dir, by default ./ringflash-logs/<target>-<date>-<time>-<launcher's pid>, a
+folder of its own for every launch (two launches in the same second included).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import os
@@ -93,12 +98,33 @@ TARGET_FLAGS = {
 CHECKED_JOBS = {"check": "ringflash.launch.check", "train": "ringflash.launch.train"}
 
 
-def log_dir(target: str) -> str:
-  """--log_dir, or ./ringflash-logs/<target>-<time> when it is not given."""
-  if flags.FLAGS.log_dir:
-    return os.path.abspath(flags.FLAGS.log_dir)
-  return os.path.abspath(os.path.join("ringflash-logs",
-                                      f"{target}-{time.strftime('%Y%m%d-%H%M%S')}"))
+# absl's help flags (absl.app): parsed in the launcher they would print the launcher's help.
+HELP_FLAGS = ("help", "helpfull", "helpshort", "helpxml", "h", "?")
+
+
+def log_dir(target: str, given: str | None) -> str:
+  """`given` (--log_dir), or ./ringflash-logs/<target>-<date>-<time>-<pid> when it is not:
+  the launcher's pid keeps apart the folders of launches started in the same second."""
+  if given:
+    return os.path.abspath(given)
+  return os.path.abspath(os.path.join(
+      "ringflash-logs", f"{target}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"))
+
+
+@contextlib.contextmanager
+def _job_environment(values: dict[str, str]):
+  """os.environ with `values` set (the variables the launcher gives every process), so that
+  the job's flags are checked here as the job will check them; restored on leaving."""
+  saved = {name: os.environ.get(name) for name in values}
+  os.environ.update(values)
+  try:
+    yield
+  finally:
+    for name, value in saved.items():
+      if value is None:
+        os.environ.pop(name, None)
+      else:
+        os.environ[name] = value
 
 
 def check_job(job: list[str], *, devices: int | None) -> None:
@@ -119,6 +145,13 @@ def check_job(job: list[str], *, devices: int | None) -> None:
   if name not in allowed:
     raise UsageError(f"the job (after the target, or after `--`) must start with a ringflash "
                      f"subcommand, one of {', '.join(allowed)}; got {' '.join(job)!r}")
+  for arg in job[1:]:
+    if arg == "--":
+      break
+    if arg.startswith("-") and arg.lstrip("-").split("=")[0] in HELP_FLAGS:
+      raise UsageError(f"job {name}: {arg.split('=')[0]} is not for a launched job (its "
+                       f"processes would print help and exit); run `ringflash {name} --help` "
+                       f"for the flags of {name}")
   if name not in CHECKED_JOBS:
     return
   module = importlib.import_module(CHECKED_JOBS[name])
@@ -169,9 +202,13 @@ def main(argv) -> None:
     raise UsageError(f"the target must be one of {', '.join(TARGETS)}, got {got}")
   target, job = argv[1], list(argv[2:]) or list(DEFAULT_JOB)
   _check_targets_flags(target)
-  folder = log_dir(target)
+  folder = log_dir(target, FLAGS.log_dir)
   if target == "local":
-    check_job(job, devices=FLAGS.processes * FLAGS.devices_per_process)
+    # As each process will see it (local.process_env).
+    env = ({distributed.ENV_DEVICES_PER_PROCESS: str(FLAGS.devices_per_process)}
+           if FLAGS.platform == "cpu" else {})
+    with _job_environment(env):
+      check_job(job, devices=FLAGS.processes * FLAGS.devices_per_process)
     _check_dir("log_dir", folder)
     try:
       status = local.launch(job, processes=FLAGS.processes,

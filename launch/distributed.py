@@ -127,6 +127,11 @@ def initialize() -> Processes:
 
   timeout_s = _env_int(ENV_INIT_TIMEOUT_S, DEFAULT_INIT_TIMEOUT_S, minimum=1)
   devices_per_process = _env_int(ENV_DEVICES_PER_PROCESS, None, minimum=1)
+  if os.environ.get(ENV_PROCESS_ID) and not os.environ.get(ENV_NUM_PROCESSES):
+    # Else it would be ignored: a process meant to join a job would run alone.
+    raise ValueError(f"{ENV_PROCESS_ID} is set ({os.environ[ENV_PROCESS_ID]!r}) but "
+                     f"{ENV_NUM_PROCESSES} is not: set both (the explicit contract) or "
+                     f"neither")
   if os.environ.get(ENV_NUM_PROCESSES):
     num_processes = _env_int(ENV_NUM_PROCESSES, None, minimum=1)
     process_id = _env_int(ENV_PROCESS_ID, None, minimum=0)
@@ -381,6 +386,8 @@ def _split_address(address: str) -> tuple[str, int]:
   host, sep, port = address.rpartition(":")
   if not sep or not host or not port.isdigit():
     raise ValueError(f"{ENV_COORDINATOR} must be host:port, got {address!r}")
+  if not 1 <= int(port) <= 65535:
+    raise ValueError(f"{ENV_COORDINATOR}={address}: the port must be in 1..65535, got {port}")
   return host.strip("[]"), int(port)
 
 

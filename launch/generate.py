@@ -25,7 +25,15 @@ Prints, e.g.:
     teacher-forced argmax at 128 of 128
 and ends with status 1 if any decoded prediction differs from the teacher-forced argmax by
 more than a near tie. Every flag is checked before any device is touched (ringflash.cli's
-contract: a mistake is one line naming the flag, and status 2). One process (no launcher).
+contract: a mistake is one line naming the flag, and status 2), and so is every field of the
+checkpoint's metadata that is read here; what only the backend can refute (--backend=pallas_gpu
+on CPU devices) is found by tracing the prefill and one decode step on abstract inputs, before
+the checkpoint is restored, and is one line with status 2 too. One process (no launcher).
+
+The mesh is --data_parallel x --ring, whatever the mesh and batch size of the training run:
+the restored state is replicated, and --batch_size sequences are decoded. The caches hold a
+multiple of 128 x --ring slots (every backend's kernel tiles such a share, README "Decoding"):
+the positions that get an input token, rounded up; the extra slots stay free and are masked.
 """
 
 from __future__ import annotations
@@ -97,6 +105,18 @@ class Job:
   tie_tolerance: float
 
 
+# KVCache slots are counted in multiples of this per device of the ring.
+SLOT_TILE = 128
+
+
+def cache_slots(input_positions: int, ring: int) -> int:
+  """Slots of a cache that holds `input_positions` tokens over a ring of `ring` devices: the
+  next multiple of SLOT_TILE x ring (e.g. 4103 positions on a ring of 4: 4608 slots, 1152
+  per device, nine tiles of 128)."""
+  unit = SLOT_TILE * ring
+  return -(-input_positions // unit) * unit
+
+
 def newest_meta(directory: str) -> tuple[int, dict] | None:
   """(step, metadata) of the newest step directory whose metadata reads as a run of
   `ringflash train` (the arrays are verified later, when restored), or None."""
@@ -120,6 +140,7 @@ def job_from_flags(values: flags.FlagValues = FLAGS) -> Job:
   Raises:
     UsageError: naming the flag.
   """
+  from ringflash import kvcache                   # pylint: disable=g-import-not-at-top
   from ringflash.launch import data, model        # pylint: disable=g-import-not-at-top
   v = values
   if not v.checkpoint_dir:
@@ -132,12 +153,23 @@ def job_from_flags(values: flags.FlagValues = FLAGS) -> Job:
     raise UsageError(f"--checkpoint_dir={v.checkpoint_dir} holds no complete checkpoint of "
                      f"`ringflash train`")
   step, meta = found
+  # Every field of the metadata that run() reads: run.task, run.model, data.seed (the
+  # default of --data_seed) and data.next_step (checked against the restored step).
   try:
     task = data.TaskConfig(**meta["run"]["task"])
     model.ModelConfig(**meta["run"]["model"])
+    stream = meta["data"]
+    if not isinstance(stream, dict):
+      raise ValueError(f"data must be an object, got {stream!r}")
+    for key in ("seed", "next_step"):
+      value = stream[key]
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"data.{key} must be an integer >= 0, got {value!r}")
   except (TypeError, ValueError, KeyError) as err:
+    what = f"{type(err).__name__}: {err}" if isinstance(err, KeyError) else str(err)
     raise UsageError(f"--checkpoint_dir={v.checkpoint_dir}: step {step}'s metadata does not "
-                     f"describe a model and task this version reads ({err})") from None
+                     f"describe a model, task and data stream this version reads ({what})"
+                     ) from None
   if v.batch_size % v.data_parallel:
     raise UsageError(f"--batch_size={v.batch_size} must be divisible by "
                      f"--data_parallel={v.data_parallel}")
@@ -148,7 +180,11 @@ def job_from_flags(values: flags.FlagValues = FLAGS) -> Job:
   if v.backend not in ("auto", "xla", "pallas_tpu", "pallas_gpu"):
     raise UsageError(f"--backend must be auto, xla, pallas_tpu or pallas_gpu, got "
                      f"{v.backend!r}")
-  seed = v.data_seed if v.data_seed >= 0 else int(meta.get("data", {}).get("seed", 0))
+  slots = cache_slots(task.seq_len + max(v.new_tokens - 1, 0), v.ring)
+  if slots >= kvcache.EMPTY:
+    raise UsageError(f"--new_tokens={v.new_tokens}: the caches would need {slots} slots, a "
+                     f"KVCache holds fewer than {kvcache.EMPTY}")
+  seed = v.data_seed if v.data_seed >= 0 else meta["data"]["seed"]
   return Job(checkpoint_dir=v.checkpoint_dir, meta=meta, step=step, ring=v.ring,
              data_parallel=v.data_parallel, cpu_devices=v.cpu_devices, platform=v.platform,
              batch_size=v.batch_size, prompt_len=prompt, new_tokens=v.new_tokens,
@@ -170,6 +206,7 @@ class Result:
     generated: [B, new_tokens] the tokens generated after the sequence.
     mismatches: decoded positions that differ from the teacher by more than a near tie.
     near_ties: decoded positions that differ within a near tie.
+    slots: the capacity of each cache (cache_slots), over the ring.
   """
 
   decoded: object
@@ -182,10 +219,17 @@ class Result:
   near_ties: int
   answers_equal: int
   steps_per_second: float
+  slots: int
 
 
 def run(job: Job, log=print) -> Result:
-  """Restores the model, prefills, decodes and checks (see the module docstring)."""
+  """Restores the model, prefills, decodes and checks (see the module docstring).
+
+  Raises:
+    UsageError: --backend (or the attention it runs) refuses this decoding, found before the
+      checkpoint is restored; or the directory holds no complete checkpoint.
+    checkpointing.NoUsableCheckpointError: complete checkpoints exist but none restores.
+  """
   import jax                                      # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp                         # pylint: disable=g-import-not-at-top
   import numpy as np                              # pylint: disable=g-import-not-at-top
@@ -199,35 +243,26 @@ def run(job: Job, log=print) -> Result:
   run_meta = job.meta["run"]
   mcfg = model.ModelConfig(**run_meta["model"])
   task = data.TaskConfig(**run_meta["task"])
-  config = train.RunConfig(model=mcfg, task=task, batch_size=int(run_meta["batch_size"]),
-                           data_parallel=1, ring=job.ring, learning_rate=1e-3,
-                           warmup_steps=1, total_steps=2, seed=int(run_meta["seed"]))
+  # The state's layout on generate's own mesh, to restore into; the training run's batch
+  # size, mesh and optimizer settings play no part (the state is replicated).
+  config = train.RunConfig(model=mcfg, task=task, batch_size=job.batch_size,
+                           data_parallel=job.data_parallel, ring=job.ring, learning_rate=1e-3,
+                           warmup_steps=1, total_steps=2, seed=0)
   mesh = model.make_mesh(job.data_parallel, job.ring)
-  trainer = train.Trainer(config, mesh=mesh)      # the state's layout, to restore into
-  ckpt = checkpointing.Checkpoints(job.checkpoint_dir, save_every=1, keep=1 << 30,
-                                   async_save=False, log=log)
-  restored = ckpt.restore_latest(
-      trainer.abstract_state(),
-      check_meta=lambda meta: None if meta.get("run") == run_meta else
-      "saved by another run configuration than the newest checkpoint")
-  ckpt.close()
-  if restored is None:
-    raise checkpointing.NoUsableCheckpointError(job.checkpoint_dir, [])
-  params = restored.state["params"]
+  trainer = train.Trainer(config, mesh=mesh)
 
   b, t_seq, t0 = job.batch_size, task.seq_len, job.prompt_len
-  host = data.batch(task, job.data_seed, job.data_step, b)
   l_in = t_seq + max(job.new_tokens - 1, 0)       # positions that get an input token
-  slots = -(-l_in // job.ring) * job.ring          # the cache's capacity, whole per device
-  log(f"generate: step {restored.step} of {job.checkpoint_dir} (d_model {mcfg.d_model}, "
-      f"{mcfg.num_layers} layer(s), {mcfg.num_heads} head(s)); mesh {dict(mesh.shape)}; "
-      f"batch {b} of task step {job.data_step}; prompt {t0} tokens by ring attention, "
-      f"{l_in - t0} tokens by decode attention; caches of {slots} slots, "
-      f"{slots // job.ring} per device")
-
+  slots = cache_slots(l_in, job.ring)
   tokens_spec = model.token_sharding(mesh)
   step_spec = NamedSharding(mesh, P(model.DATA_AXIS, None))
-  decoded = np.full((b, l_in), -1, np.int64)
+
+  def new_caches(kvs):
+    return [ringflash.KVCache.create(b, slots, mcfg.num_heads, mcfg.head_dim, mesh=mesh,
+                                     axis_name=model.RING_AXIS, dtype=k.dtype,
+                                     batch_axis=model.DATA_AXIS).prefill(k, v)
+            for k, v in kvs]
+
   with jax.set_mesh(mesh):
     @jax.jit
     def prefill(p, tok, pos):
@@ -241,12 +276,48 @@ def run(job: Job, log=print) -> Result:
       logits, c = model.decode_step(p, tok, c, mcfg, backend=job.backend)
       return jnp.argmax(logits[:, 0], axis=-1), c
 
+    # What the backend refuses (a kernel for another platform, a shape it cannot tile) is
+    # found by tracing, as train.main does with Trainer.check_shapes: nothing is compiled.
+    def prefill_then_step(p, tok, pos, next_tok):
+      _, kvs = prefill(p, tok, pos)
+      return step(p, new_caches(kvs), next_tok)
+
+    def spec(shape, sharding):
+      return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+
+    try:
+      jax.eval_shape(prefill_then_step, trainer.abstract_state()["params"],
+                     spec((b, t0), tokens_spec), spec((b, t0), tokens_spec),
+                     spec((b, 1), step_spec))
+    except (ValueError, NotImplementedError) as err:
+      first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+      raise UsageError(f"--backend={job.backend} cannot run this decoding: {first}") from None
+
+  ckpt = checkpointing.Checkpoints(job.checkpoint_dir, save_every=1, keep=1 << 30,
+                                   async_save=False, log=log)
+  restored = ckpt.restore_latest(
+      trainer.abstract_state(),
+      check_meta=lambda meta: None if meta.get("run") == run_meta else
+      "saved by another run configuration than the newest checkpoint",
+      check_restored=train.holds_step)
+  ckpt.close()
+  if restored is None:
+    raise UsageError(f"--checkpoint_dir={job.checkpoint_dir} holds no complete checkpoint "
+                     f"(orbax finds no finalized step)")
+  params = restored.state["params"]
+
+  host = data.batch(task, job.data_seed, job.data_step, b)
+  log(f"generate: step {restored.step} of {job.checkpoint_dir} (d_model {mcfg.d_model}, "
+      f"{mcfg.num_layers} layer(s), {mcfg.num_heads} head(s)); mesh {dict(mesh.shape)}; "
+      f"batch {b} of task step {job.data_step}; prompt {t0} tokens by ring attention, "
+      f"{l_in - t0} tokens by decode attention; caches of {slots} slots, "
+      f"{slots // job.ring} per device")
+
+  decoded = np.full((b, l_in), -1, np.int64)
+  with jax.set_mesh(mesh):
     first, kvs = prefill(params, jax.device_put(host.tokens[:, :t0], tokens_spec),
                          jax.device_put(host.positions[:, :t0], tokens_spec))
-    caches = [ringflash.KVCache.create(b, slots, mcfg.num_heads, mcfg.head_dim, mesh=mesh,
-                                       axis_name=model.RING_AXIS, dtype=k.dtype,
-                                       batch_axis=model.DATA_AXIS).prefill(k, v)
-              for k, v in kvs]
+    caches = new_caches(kvs)
     decoded[:, t0 - 1] = np.asarray(jax.device_get(first))
     t_start = time.perf_counter()
     for pos in range(t0, l_in):
@@ -280,7 +351,8 @@ def run(job: Job, log=print) -> Result:
   result = Result(decoded=decoded, teacher=teacher, margin=margin, answer_positions=answers,
                   accuracy=accuracy, generated=decoded[:, t_seq - 1:t_seq - 1 + job.new_tokens],
                   mismatches=int(np.sum(differ & ~tie)), near_ties=int(np.sum(differ & tie)),
-                  answers_equal=int(np.sum(~differ[answers])), steps_per_second=rate)
+                  answers_equal=int(np.sum(~differ[answers])), steps_per_second=rate,
+                  slots=slots)
   log(f"generate: answers to {got.size} queries: accuracy {accuracy:.3f} (chance "
       f"{task.chance:.3f}); equal to the teacher-forced argmax at {result.answers_equal} of "
       f"{got.size}")
@@ -309,7 +381,8 @@ def main(argv) -> None:
   try:
     result = run(job, log=lambda msg: print(msg, flush=True))
   except checkpointing.NoUsableCheckpointError as err:
-    print(f"ringflash generate: {err}", file=sys.stderr, flush=True)
+    print(f"ringflash generate: {err}; nothing to decode with: give a --checkpoint_dir "
+          f"that holds a usable one", file=sys.stderr, flush=True)
     sys.exit(1)
   if result.mismatches:
     print(f"ringflash generate: FAILED: {result.mismatches} decoded prediction(s) differ from "

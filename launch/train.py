@@ -8,15 +8,24 @@ line (accuracy over the step's query positions; chance is 1 / num_values):
 
   step 240 loss 0.7316 acc 0.742 (chance 0.125) tokens/s 15689
 
-With --checkpoint_dir, a checkpoint is saved asynchronously every --save_every steps (the
-newest --keep are kept), and --resume continues from the newest complete, verified one: the
-parameters, optimizer state, RNG key and data stream position are restored, so the resumed
-run computes exactly the steps the uninterrupted run would have (bit for bit on CPU, same
-mesh). The mesh may differ from the one that saved (another ring size): arrays are restored
-directly into the new shardings. Progress is never lost silently: --resume needs
---checkpoint_dir, and when complete checkpoints exist but none restores (the model or task
-flags changed, or the files are damaged) the run stops with an error naming each step and why,
-rather than starting at step 0 and saving over them.
+With --checkpoint_dir, a checkpoint is saved asynchronously every --save_every steps and at
+the last step (the newest --keep are kept), and --resume continues from the newest complete,
+verified one: the parameters, optimizer state, RNG key and data stream position are restored,
+so the resumed run computes exactly the steps the uninterrupted run would have (bit for bit on
+CPU, same mesh). The mesh may differ from the one that saved (another ring size): arrays are
+restored directly into the new shardings. The run's identity (model, task, batch size, seed,
+learning rate and warmup) must match; --steps may differ (extending a run is legitimate: the
+cosine decay of the learning rate then follows the new total, so the steps after the
+restored one differ from those of the shorter run). A restored step past --steps is refused;
+a restored step equal to it is a complete run, and nothing is trained.
+
+Progress is never lost silently: --resume needs --checkpoint_dir; a run without --resume into
+a --checkpoint_dir that holds complete steps is refused (orbax would not save over them: its
+saves would silently not happen); when complete checkpoints exist but none restores (the model
+or task flags changed, or the files are damaged) the run stops with an error naming each step
+and why, rather than starting at step 0 and saving over them; complete steps newer than the one
+restored (skipped as unusable) are moved aside to `<step>.unusable`, so that the resumed run's
+saves start; and a save that is due but does not start is an error.
 
 Before any work (ringflash.cli's contract) every flag is checked: by absl's bounds while
 parsing, then job_from_flags (relations between flags, directories), then, once the job's
@@ -60,6 +69,13 @@ FLAGS = flags.FLAGS
 # as unfinished and starts it again (with --resume).
 PREEMPTED_STATUS = 143
 
+# What the state's counters hold: "step" and optax's update count are int32, and the learning
+# rate schedule's step boundaries are int32 too (optax refuses 2**31).
+MAX_STEPS = 2**31 - 1
+# jax.random.PRNGKey keeps 32 bits of a seed with jax_enable_x64 off (2**32 gives the key of 0),
+# and refuses seeds beyond int64; every seed below 2**32 is its own key.
+MAX_SEED = 2**32 - 1
+
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   """Defines this command's flags on `flag_values` (absl's FLAGS by default). The ringflash
@@ -68,11 +84,12 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   starts any process."""
   fv = {"flag_values": flag_values}
 
-  def positive(name, default, help_):
-    flags.DEFINE_integer(name, default, help_, lower_bound=1, **fv)
+  def positive(name, default, help_, upper_bound=None):
+    flags.DEFINE_integer(name, default, help_, lower_bound=1, upper_bound=upper_bound, **fv)
 
-  positive("steps", 240, "Training steps to run in total (a resumed run stops at the same "
-           "step).")
+  positive("steps", 240, "Training steps to run in total, counted from step 0 (a resumed run "
+           "stops at this step too; it may be raised on resume, and the learning rate's "
+           "cosine decay then follows the new total).", upper_bound=MAX_STEPS)
   positive("seq_len", 4096, "Tokens per sequence: even, divisible by --ring.")
   positive("batch_size", 2, "Global batch size (sequences per step), divisible by "
            "--data_parallel.")
@@ -91,9 +108,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   define_float("dropout", 0.0, "Residual dropout rate in [0, 1) (uses the checkpointed RNG "
                "key).", lower_bound=0.0, **fv)
   define_float("learning_rate", 5e-3, "Peak learning rate (AdamW), > 0.", **fv)
-  flags.DEFINE_integer("warmup_steps", 10, "Linear warmup steps.", lower_bound=0, **fv)
+  flags.DEFINE_integer("warmup_steps", 10, "Linear warmup steps from learning rate 0; 0: "
+                       "none, the first step takes the peak rate.", lower_bound=0,
+                       upper_bound=MAX_STEPS, **fv)
   flags.DEFINE_integer("seed", 0, "Seed of the parameters, RNG key and data stream.",
-                       lower_bound=0, **fv)
+                       lower_bound=0, upper_bound=MAX_SEED, **fv)
   positive("num_keys", 16, "Retrieval task: distinct keys.")
   positive("num_values", 8, "Retrieval task: distinct values (chance = 1/this).")
   positive("num_pairs", 16, "Retrieval task: (key, value) pairs stored per sequence in its "
@@ -116,7 +135,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                       "accuracy) here; process 0 only.", **fv)
   flags.DEFINE_integer("crash_after_save_starts", -1, "Fault injection for tests: SIGKILL this "
                        "process right after the save of this step has started (write in "
-                       "flight; needs --checkpoint_dir).", lower_bound=-1, **fv)
+                       "flight; needs --checkpoint_dir; a step that saves: a multiple of "
+                       "--save_every, or --steps).", lower_bound=-1, upper_bound=MAX_STEPS,
+                       **fv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +154,22 @@ class RunConfig:
   total_steps: int
   seed: int
   backend: str = "auto"
+
+
+def learning_rate_schedule(config: RunConfig):
+  """The learning rate of each update (optax schedule of the update count 0, 1, ...).
+
+  A linear warmup from 0 over config.warmup_steps updates to config.learning_rate, then a
+  cosine decay to a tenth of it at config.total_steps. warmup_steps=0: no warmup, the first
+  update takes the peak rate.
+  """
+  import optax                                    # pylint: disable=g-import-not-at-top
+  peak = config.learning_rate
+  if config.warmup_steps == 0:
+    return optax.cosine_decay_schedule(peak, max(config.total_steps, 1), alpha=0.1)
+  return optax.warmup_cosine_decay_schedule(
+      0.0, peak, config.warmup_steps, max(config.total_steps, config.warmup_steps + 1),
+      end_value=peak * 0.1)
 
 
 class Trainer:
@@ -153,12 +190,9 @@ class Trainer:
     if config.batch_size % self.mesh.shape[model.DATA_AXIS]:
       raise ValueError(f"batch_size={config.batch_size} must be divisible by the data axis "
                        f"({self.mesh.shape[model.DATA_AXIS]})")
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, max(1, config.warmup_steps),
-        max(config.total_steps, config.warmup_steps + 1),
-        end_value=config.learning_rate * 0.1)
     self.optimizer = optax.chain(optax.clip_by_global_norm(1.0),
-                                 optax.adamw(schedule, weight_decay=0.01))
+                                 optax.adamw(learning_rate_schedule(config),
+                                             weight_decay=0.01))
     self.replicated = model.replicated(self.mesh)
     self.tokens = model.token_sharding(self.mesh)
     self._model = model
@@ -281,7 +315,8 @@ def job_from_flags(values: flags.FlagValues = FLAGS, *, folders: bool = True) ->
   tpu`), whose folders are theirs.
 
   absl's bounds have refused non-positive sizes while parsing; this checks what relates
-  flags to each other and to the file system. What needs the device count is check_devices,
+  flags to each other, to the environment of `ringflash launch` and to the file system (a
+  --checkpoint_dir that already holds complete steps needs --resume). What needs the device count is check_devices,
   what needs ring attention's own rules is Trainer.check_shapes.
 
   Raises:
@@ -305,6 +340,18 @@ def job_from_flags(values: flags.FlagValues = FLAGS, *, folders: bool = True) ->
   for name in ("save_every", "keep", "async_save", "crash_after_save_starts"):
     if v[name].present and not v.checkpoint_dir:
       raise UsageError(f"--{name} needs --checkpoint_dir (without it no checkpoint is saved)")
+  crash = v.crash_after_save_starts
+  if crash != -1 and not (1 <= crash <= v.steps and (crash % v.save_every == 0
+                                                     or crash == v.steps)):
+    raise UsageError(f"--crash_after_save_starts={crash} is not a step at which a save starts "
+                     f"(a multiple of --save_every={v.save_every} up to --steps={v.steps}, or "
+                     f"--steps itself); -1: no fault")
+  per_process = os.environ.get(distributed.ENV_DEVICES_PER_PROCESS, "").strip()
+  if v["cpu_devices"].present and per_process and per_process != str(v.cpu_devices):
+    raise UsageError(f"--cpu_devices={v.cpu_devices} disagrees with "
+                     f"{distributed.ENV_DEVICES_PER_PROCESS}={per_process} (set by `ringflash "
+                     f"launch local --devices-per-process`), which sets the devices of each "
+                     f"process; give one of them")
   try:
     task = data.TaskConfig(seq_len=v.seq_len, num_keys=v.num_keys, num_values=v.num_values,
                            num_pairs=v.num_pairs, num_copies=v.num_copies,
@@ -319,6 +366,13 @@ def job_from_flags(values: flags.FlagValues = FLAGS, *, folders: bool = True) ->
     problem = distributed.directory_problem(v.checkpoint_dir)
     if problem:
       raise UsageError(f"--checkpoint_dir={v.checkpoint_dir}: {problem}")
+    from ringflash.launch import checkpointing    # pylint: disable=g-import-not-at-top
+    held = checkpointing.finalized_steps(v.checkpoint_dir)
+    if held and not v.resume:
+      # Checked before the job joins: every process reads the folder before any saves.
+      raise UsageError(f"--checkpoint_dir={v.checkpoint_dir} already holds complete "
+                       f"checkpoint step(s) {', '.join(map(str, held))}: pass --resume to "
+                       f"continue from them, or give another folder")
   if v.metrics_file and folders:
     # appended to, in a folder created if missing
     problem = ("it is a directory" if os.path.isdir(v.metrics_file) else
@@ -362,7 +416,8 @@ def _identity(config: RunConfig) -> dict:
   """What a checkpoint must agree with to be resumed (the mesh may differ), as JSON reads it."""
   return json.loads(json.dumps({
       "model": dataclasses.asdict(config.model), "task": dataclasses.asdict(config.task),
-      "batch_size": config.batch_size, "seed": config.seed}))
+      "batch_size": config.batch_size, "seed": config.seed,
+      "learning_rate": config.learning_rate, "warmup_steps": config.warmup_steps}))
 
 
 def _same_run(config: RunConfig):
@@ -386,6 +441,30 @@ def _same_run(config: RunConfig):
     return None
 
   return check
+
+
+def holds_step(step: int, state, meta: dict) -> str | None:
+  """The check_restored of Checkpoints.restore_latest: the folder of `step` must hold the
+  state after `step` steps, and its metadata the data stream at `step` (a folder copied
+  under another step's name would otherwise resume at the wrong step)."""
+  import jax                                      # pylint: disable=g-import-not-at-top
+  have = int(jax.device_get(state["step"]))
+  if have != step:
+    return f"holds the state of step {have}"
+  stream = meta.get("data")
+  next_step = stream.get("next_step") if isinstance(stream, dict) else None
+  if next_step != step:
+    return f"its metadata puts the data stream at step {next_step!r}"
+  return None
+
+
+def _refused_save(ckpt, step: int) -> str:
+  """Why orbax did not start the save of `step` (Checkpoints.save returned False)."""
+  latest = ckpt.latest_step()
+  if latest is not None and latest >= step:
+    return (f"{ckpt.directory} already holds step {latest}, and orbax saves only steps after "
+            f"its newest (is another run writing into this folder?)")
+  return f"orbax refused it (its newest step in {ckpt.directory}: {latest})"
 
 
 def _configure_jax(job: Job) -> "distributed.Processes":
@@ -422,9 +501,16 @@ def run(trainer: Trainer, *, checkpoint_dir: str | None, save_every: int, keep: 
   On the notice every process saves the step it has reached (with checkpoint_dir) and the
   run stops there: see distributed.PreemptionNotice.
 
+  A checkpoint is saved every save_every steps and at the last step, which is waited for.
+  With resume, complete steps newer than the one restored (all of them skipped: unusable) are
+  moved aside (Checkpoints.move_aside), so that orbax saves the steps that follow.
+
   Raises:
     checkpointing.NoUsableCheckpointError: resume, and complete checkpoints exist but none
       restores (another run configuration, unreadable, corrupted); nothing was trained.
+    UsageError: resume, and the step restored is past total_steps.
+    RuntimeError: a save that was due did not start (orbax holds a newer step: something
+      else writes into checkpoint_dir).
     ValueError: resume without checkpoint_dir.
   """
   import jax                                      # pylint: disable=g-import-not-at-top
@@ -442,13 +528,25 @@ def run(trainer: Trainer, *, checkpoint_dir: str | None, save_every: int, keep: 
                                      async_save=async_save, log=say)
   state = None
   if resume:
-    restored = ckpt.restore_latest(trainer.abstract_state(), check_meta=_same_run(config))
+    restored = ckpt.restore_latest(trainer.abstract_state(), check_meta=_same_run(config),
+                                   check_restored=holds_step)
     if restored is None:
       say(f"resume: no checkpoint in {ckpt.directory} yet, starting from step 0")
     else:
+      if restored.step > config.total_steps:
+        ckpt.close()
+        raise UsageError(f"--steps={config.total_steps} is below the step restored from "
+                         f"{ckpt.directory}, {restored.step}: give --steps={restored.step} or "
+                         f"more")
       state = restored.state
       say(f"resume: restored step {restored.step} from {ckpt.directory} "
           f"(data stream at step {restored.meta['data']['next_step']})")
+      ckpt.move_aside(restored.skipped)
+      if restored.step == config.total_steps:
+        ckpt.close()
+        say(f"train: the run is already complete: step {restored.step} of --steps="
+            f"{config.total_steps} restored, nothing to train")
+        return Outcome(history=[])
   if state is None:
     state = trainer.init_state()
   start = int(jax.device_get(state["step"]))
@@ -482,7 +580,11 @@ def run(trainer: Trainer, *, checkpoint_dir: str | None, save_every: int, keep: 
         saved = False
         meta = {"data": {"seed": config.seed, "next_step": done}, "run": _identity(config)}
         if ckpt is not None:
-          saved = ckpt.save(done, state, meta)
+          final = done == config.total_steps
+          saved = ckpt.save(done, state, meta, force=final)
+          if not saved and (final or done % save_every == 0):
+            raise RuntimeError(f"checkpoint: the save of step {done}, due, did not start: "
+                               f"{_refused_save(ckpt, done)}")
           if saved and done == crash_after_save_starts:
             say(f"fault injection: SIGKILL while the save of step {done} is in flight")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -490,14 +592,18 @@ def run(trainer: Trainer, *, checkpoint_dir: str | None, save_every: int, keep: 
         if done < config.total_steps and notice.reached(done):
           preempted_at = done
           if ckpt is not None and not saved:
-            ckpt.save(done, state, meta, force=True)
-          where = (f"saved step {done} in {ckpt.directory}" if ckpt is not None
-                   else "no --checkpoint_dir, nothing saved")
+            saved = ckpt.save(done, state, meta, force=True)
+          if ckpt is None:
+            where = "no --checkpoint_dir, nothing saved"
+          elif saved:
+            where = f"saved step {done} in {ckpt.directory}"
+          else:
+            where = f"could not save step {done}: {_refused_save(ckpt, done)}"
           say(f"train: preemption notice (SIGTERM): {where}; stopping at step {done} of "
               f"{config.total_steps}")
           break
     if ckpt is not None:
-      ckpt.close()
+      ckpt.close()                 # waits for the save in flight, the last step's included
     if history:
       last = history[-20:]
       say(f"train: steps {history[0]['step']}..{history[-1]['step']} in "
@@ -534,7 +640,8 @@ def main(argv) -> None:
                     log=lambda msg: print(msg, flush=True))
     except checkpointing.NoUsableCheckpointError as err:
       # Found alike by every process (the same directory).
-      print(f"ringflash train: {err}; to start afresh, give another --checkpoint_dir",
+      print(f"ringflash train: {err}; refusing to start again at step 0, which would save "
+            f"over them; to start afresh, give another --checkpoint_dir",
             file=sys.stderr, flush=True)
       sys.exit(1)
   if outcome.preempted_at is not None:

@@ -4,7 +4,10 @@ pass gives."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -30,13 +33,13 @@ def _config(steps=2):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
   """A directory holding a checkpoint as `ringflash train` writes it (the state at step 0,
-  saved as step 1 with the run's identity; tests/test_train.py covers the training itself)."""
+  saved as step 0 with the run's identity; tests/test_train.py covers the training itself)."""
   directory = str(tmp_path_factory.mktemp("ckpt"))
   config = _config()
   ckpt = checkpointing.Checkpoints(directory, save_every=1, keep=1, async_save=False,
                                    log=lambda _: None)
-  ckpt.save(1, train.Trainer(config).init_state(),
-            {"data": {"seed": config.seed, "next_step": 1}, "run": train._identity(config)})
+  ckpt.save(0, train.Trainer(config).init_state(),
+            {"data": {"seed": config.seed, "next_step": 0}, "run": train._identity(config)})
   ckpt.close()
   return directory
 
@@ -93,6 +96,71 @@ def test_generate_answers_equal_the_teacher_forced_argmax(checkpoint):
                                 np.where(tie, -1, result.teacher[:, 63:]))
   assert result.mismatches == 0 and result.answers_equal == 16
   assert result.generated.shape == (2, 4)
+  # 128 + 3 positions get an input token: caches of 512 slots, 128 per device of the ring of
+  # 4 (pallas_tpu tiles a device's slots by 128 on a TPU); the free ones change nothing above
+  assert result.slots == 512
+
+
+def test_cache_slots_are_whole_tiles_of_128_per_device():
+  assert generate.cache_slots(4103, 4) == 4608          # the default run: 1152 per device
+  assert generate.cache_slots(512, 4) == 512
+  assert generate.cache_slots(1, 2) == 256
+
+
+def _edited_copy(checkpoint, tmp_path, edit):
+  """A copy of the checkpoint whose metadata `edit` changed in place."""
+  directory = tmp_path / "ckpt"
+  shutil.copytree(checkpoint, directory)
+  meta_file = directory / "0" / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  edit(meta)
+  meta_file.write_text(json.dumps(meta))
+  return str(directory)
+
+
+def test_generate_takes_its_own_batch_and_mesh(checkpoint, tmp_path):
+  """Trained with batch 2 (and here without run.batch_size in the metadata at all); decoded
+  with 4 sequences over a data axis of 4 (before: the training batch 2 was checked against
+  the data axis, and failed)."""
+  directory = _edited_copy(checkpoint, tmp_path, lambda meta: meta["run"].pop("batch_size"))
+  result = generate.run(_job(directory, "--ring=2", "--data_parallel=4", "--batch_size=4",
+                             "--new_tokens=1"), log=lambda _: None)
+  assert result.decoded.shape == (4, 128) and result.generated.shape == (4, 1)
+  assert result.mismatches == 0 and result.answers_equal == 4 * 8
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda meta: meta.update(data="x"), "data must be an object, got 'x'"),
+    (lambda meta: meta["data"].pop("seed"), "(KeyError: 'seed')"),
+    (lambda meta: meta["data"].update(next_step="1"), "data.next_step must be an integer >= 0"),
+    (lambda meta: meta["run"].update(task=3), "argument after ** must be a mapping"),
+])
+def test_metadata_generate_cannot_read_is_one_line(checkpoint, tmp_path, edit, message):
+  from ringflash.cli import UsageError
+  directory = _edited_copy(checkpoint, tmp_path, edit)
+  with pytest.raises(UsageError, match=re.escape(
+      f"--checkpoint_dir={directory}: step 0's metadata does not describe a model, task and "
+      f"data stream this version reads (")) as err:
+    _job(directory)
+  assert message in str(err.value)
+
+
+def test_no_usable_checkpoint_is_said_for_generate(checkpoint, tmp_path):
+  """The arrays of the only step differ from their fingerprints: status 1, one line that
+  names the step and does not speak of training (before: "refusing to start again at step
+  0, which would save over them")."""
+  def corrupt(meta):
+    key = sorted(meta["fingerprint"])[0]
+    meta["fingerprint"][key] += 1
+  directory = _edited_copy(checkpoint, tmp_path, corrupt)
+  done = _cli(f"--checkpoint_dir={directory}", "--new_tokens=0")
+  assert done.returncode == 1, (done.stdout[-1000:], done.stderr[-2000:])
+  lines = done.stderr.splitlines()
+  assert lines[-1].startswith(f"ringflash generate: none of the 1 complete checkpoint(s) in "
+                              f"{directory} restores (step 0: arrays differ from the "
+                              f"fingerprints saved with them (corrupted): "), lines[-1]
+  assert lines[-1].endswith("nothing to decode with: give a --checkpoint_dir that holds a "
+                            "usable one") and "step 0, which" not in lines[-1]
 
 
 def _cli(*args):
@@ -118,6 +186,9 @@ def test_generate_command_end_to_end(checkpoint):
     (["--batch_size=3", "--data_parallel=2"], "--batch_size=3"),
     (["--ring=16"], "needs 16 devices"),
     (["--backend=cuda"], "--backend"),
+    # the conftest's and _cli's devices are CPUs: found by tracing, before the restore
+    (["--backend=pallas_gpu"], "--backend=pallas_gpu cannot run this decoding: backend "
+                               "'pallas_gpu' runs on GPUs"),
     (["--tie_tolerance=nan"], "flag --tie_tolerance=nan: must be a finite number"),
     (["--tie_tolerance=inf"], "flag --tie_tolerance=inf: must be a finite number"),
 ])

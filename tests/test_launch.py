@@ -404,6 +404,15 @@ def test_flag_refuted_on_one_process_only_ends_the_job_after_the_barrier():
     (["local", "--", "check", "--out_dir=/proc/nosuch/x"], "job check: --out_dir=/proc/nosuch/x: "),
     (["local", "--", "train", "--save_every=5"],
      "job train: --save_every needs --checkpoint_dir"),
+    # the processes would print the launcher's help (absl's, parsed here) and exit 1
+    (["local", "--", "train", "--help"], "job train: --help is not for a launched job (its "
+                                         "processes would print help and exit); run "
+                                         "`ringflash train --help` for the flags of train"),
+    (["local", "--", "check", "--helpfull"], "job check: --helpfull is not for a launched job"),
+    (["local", "--", "generate", "-h"], "job generate: -h is not for a launched job"),
+    # each process gets RINGFLASH_DEVICES_PER_PROCESS=4, which --cpu_devices would contradict
+    (["local", "--devices-per-process=4", "--", "train", "--cpu_devices=8"],
+     "job train: --cpu_devices=8 disagrees with RINGFLASH_DEVICES_PER_PROCESS=4"),
 ])
 def test_launch_refuses_bad_arguments_before_starting(tmp_path, args, message):
   afile = tmp_path / "afile"
@@ -430,6 +439,14 @@ def test_launch_refuses_bad_arguments_before_starting(tmp_path, args, message):
     ({"RINGFLASH_NUM_PROCESSES": "2", "RINGFLASH_PROCESS_ID": "1",
       "RINGFLASH_COORDINATOR": "localhost"}, "RINGFLASH_COORDINATOR must be host:port"),
     ({"RINGFLASH_INIT_TIMEOUT_S": "0"}, "RINGFLASH_INIT_TIMEOUT_S must be >= 1"),
+    ({"RINGFLASH_NUM_PROCESSES": "2", "RINGFLASH_PROCESS_ID": "0",
+      "RINGFLASH_COORDINATOR": "127.0.0.1:99999"},
+     "RINGFLASH_COORDINATOR=127.0.0.1:99999: the port must be in 1..65535, got 99999"),
+    ({"RINGFLASH_NUM_PROCESSES": "2", "RINGFLASH_PROCESS_ID": "1",
+      "RINGFLASH_COORDINATOR": "127.0.0.1:0"}, "the port must be in 1..65535, got 0"),
+    # else ignored: the process would run alone
+    ({"RINGFLASH_PROCESS_ID": "1"}, "RINGFLASH_PROCESS_ID is set ('1') but "
+                                    "RINGFLASH_NUM_PROCESSES is not"),
 ])
 def test_bad_environment_named(env, message, monkeypatch):
   for name in list(os.environ):
@@ -440,6 +457,20 @@ def test_bad_environment_named(env, message, monkeypatch):
   monkeypatch.setattr(distributed, "_joined", None)
   with pytest.raises(ValueError, match=re.escape(message)):
     distributed.initialize()
+
+
+def test_default_log_folders_of_launches_in_the_same_second_differ(monkeypatch):
+  """./ringflash-logs/<target>-<time>-<pid>: two launchers started in the same second (other
+  pids) write to folders of their own; --log_dir is taken as given."""
+  from ringflash.launch import cli as launch_cli
+  monkeypatch.setattr(time, "strftime", lambda fmt: "20250101-120000")
+  folders = set()
+  for pid in (4242, 4243):
+    monkeypatch.setattr(os, "getpid", lambda pid=pid: pid)
+    folders.add(launch_cli.log_dir("local", None))
+  assert folders == {os.path.abspath(f"ringflash-logs/local-20250101-120000-{pid}")
+                     for pid in (4242, 4243)}
+  assert launch_cli.log_dir("local", "logs") == os.path.abspath("logs")
 
 
 def test_rendezvous_refuses_disagreeing_processes():

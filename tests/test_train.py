@@ -5,6 +5,7 @@ in subprocesses (JAX_PLATFORMS=cpu) and SIGKILL or SIGTERM them; the last ones r
 processes under `ringflash launch local`.
 """
 
+import dataclasses
 import glob
 import json
 import os
@@ -143,17 +144,30 @@ def test_every_query_is_answered_by_its_pair_in_the_first_half():
     (["--keep=2"], "--keep needs --checkpoint_dir (without it no checkpoint is saved)"),
     (["--metrics_file=/proc/nosuch/m.jsonl"], "--metrics_file=/proc/nosuch/m.jsonl: "
                                               "/proc/nosuch cannot be created or written"),
+    # beyond what PRNGKey (int64, 32 bits kept) and optax's int32 step counts take
+    (["--seed=9223372036854775808"], "flag --seed=9223372036854775808: 9223372036854775808 is "
+                                     "not an integer in the range [0, 4294967295]"),
+    (["--warmup_steps=3000000000"], "flag --warmup_steps=3000000000: 3000000000 is not an "
+                                    "integer in the range [0, 2147483647]"),
+    # complete steps in the folder, no --resume: orbax would not save over them
+    (["--checkpoint_dir={held}"], "--checkpoint_dir={held} already holds complete checkpoint "
+                                  "step(s) 8, 4: pass --resume to continue from them, or give "
+                                  "another folder"),
 ])
 def test_bad_flags_are_one_line_before_any_work(tmp_path, args, message):
   afile = tmp_path / "afile"
   afile.write_text("")
+  held = tmp_path / "held"
+  for name in ("4", "8", "10.unusable", "12.orbax-checkpoint-tmp-1"):
+    os.makedirs(held / name)
+  names = {"file": afile, "held": held}
   run = subprocess.run([sys.executable, "-m", "ringflash.cli", "train",
-                        *(a.format(file=afile) for a in args)],
+                        *(a.format(**names) for a in args)],
                        env=_env(), capture_output=True, text=True, timeout=120)
   assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
   lines = run.stderr.splitlines()
   assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
-  assert lines[0].startswith("ringflash train: ") and message.format(file=afile) in lines[0], (
+  assert lines[0].startswith("ringflash train: ") and message.format(**names) in lines[0], (
       lines[0])
   assert run.stdout == ""                  # not a step, not even the mesh line
 
@@ -164,6 +178,14 @@ def _job_from(*args):
   train.define_flags(values)
   values(["train", *args])
   return train.job_from_flags(values)
+
+
+@pytest.fixture
+def no_launch_env(monkeypatch):
+  for name in list(os.environ):
+    if name.startswith("RINGFLASH_"):
+      monkeypatch.delenv(name)
+  return monkeypatch
 
 
 @pytest.mark.parametrize("args,message", [
@@ -178,6 +200,12 @@ def _job_from(*args):
     (["--crash_after_save_starts=4"], "--crash_after_save_starts needs --checkpoint_dir"),
     (["--checkpoint_dir=/proc/nosuch/x"], "--checkpoint_dir=/proc/nosuch/x: /proc/nosuch/x "
                                           "cannot be created or written"),
+    (["--seed=4294967296"], "flag --seed=4294967296: 4294967296 is not an integer in the "
+                            "range [0, 4294967295]"),
+    (["--steps=2147483648"], "flag --steps=2147483648: 2147483648 is not an integer in the "
+                             "range [1, 2147483647]"),
+    (["--warmup_steps=2147483648"], "flag --warmup_steps=2147483648: 2147483648 is not an "
+                                    "integer in the range [0, 2147483647]"),
 ])
 def test_flags_that_would_be_lost_are_refused(args, message):
   """NaN and infinities (absl's bounds let NaN through), flags of the saves without a
@@ -186,6 +214,64 @@ def test_flags_that_would_be_lost_are_refused(args, message):
   from ringflash.cli import UsageError
   with pytest.raises((flags.Error, UsageError), match=re.escape(message)):
     _job_from(*args)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--crash_after_save_starts=3"], "--crash_after_save_starts=3 is not a step at which a "
+                                      "save starts (a multiple of --save_every=2 up to "
+                                      "--steps=7, or --steps itself)"),
+    (["--crash_after_save_starts=0"], "--crash_after_save_starts=0 is not a step at which"),
+    (["--crash_after_save_starts=8"], "--crash_after_save_starts=8 is not a step at which"),
+])
+def test_a_fault_that_would_never_fire_is_refused(tmp_path, no_launch_env, args, message):
+  from ringflash.cli import UsageError
+  common = [f"--checkpoint_dir={tmp_path / 'ckpt'}", "--save_every=2", "--steps=7"]
+  with pytest.raises(UsageError, match=re.escape(message)):
+    _job_from(*common, *args)
+  for step in (2, 6, 7):                    # saves start there (7: the last step)
+    assert _job_from(*common, f"--crash_after_save_starts={step}").crash_after_save_starts == (
+        step)
+
+
+def test_cpu_devices_must_agree_with_the_launchers_devices_per_process(no_launch_env):
+  from ringflash.cli import UsageError
+  no_launch_env.setenv("RINGFLASH_DEVICES_PER_PROCESS", "2")
+  with pytest.raises(UsageError, match=re.escape(
+      "--cpu_devices=4 disagrees with RINGFLASH_DEVICES_PER_PROCESS=2")):
+    _job_from("--cpu_devices=4")
+  assert _job_from("--cpu_devices=2").cpu_devices == 2       # the same: fine
+  assert _job_from().cpu_devices == 8                          # not given: the variable wins
+
+
+def test_a_fresh_run_into_a_folder_holding_checkpoints_is_refused(tmp_path, no_launch_env):
+  """Orbax saves only steps after its newest: a run without --resume would save nothing
+  there. Folders moved aside and partial saves are no complete steps."""
+  from ringflash.cli import UsageError
+  ckpt = tmp_path / "ckpt"
+  for name in ("10.unusable", "12.orbax-checkpoint-tmp-1"):
+    os.makedirs(ckpt / name)
+  assert _job_from(f"--checkpoint_dir={ckpt}").checkpoint_dir == str(ckpt)
+  os.makedirs(ckpt / "6")
+  with pytest.raises(UsageError, match=re.escape(
+      f"--checkpoint_dir={ckpt} already holds complete checkpoint step(s) 6: pass --resume")):
+    _job_from(f"--checkpoint_dir={ckpt}")
+  assert _job_from(f"--checkpoint_dir={ckpt}", "--resume").resume
+
+
+def test_learning_rate_schedule_warms_up_over_warmup_steps_only():
+  """warmup_steps=0: the first update takes the peak rate (before: as 1, the first update at
+  rate 0); 2: 0, half, peak; the largest counts the flags allow still evaluate in int32."""
+  def rates(config, steps):
+    schedule = jax.jit(train.learning_rate_schedule(config))
+    return [float(schedule(jnp.int32(i))) for i in steps]
+
+  cfg = _config(steps=10)
+  none = dataclasses.replace(cfg, warmup_steps=0)
+  np.testing.assert_allclose(rates(none, (0, 10)), [1e-2, 1e-3], rtol=1e-6)
+  assert rates(none, (1,))[0] < 1e-2
+  np.testing.assert_allclose(rates(cfg, (0, 1, 2, 10)), [0.0, 5e-3, 1e-2, 1e-3], rtol=1e-6)
+  most = dataclasses.replace(cfg, warmup_steps=train.MAX_STEPS, total_steps=train.MAX_STEPS)
+  np.testing.assert_allclose(rates(most, (0, train.MAX_STEPS)), [0.0, 1e-2], rtol=1e-5)
 
 
 def test_checkpoint_flags_with_a_checkpoint_dir_are_taken(tmp_path):
@@ -343,7 +429,8 @@ def _corrupt_arrays(step_dir):
       f.write(blob)
 
 
-@pytest.mark.parametrize("damage", ["corrupt_arrays", "delete_arrays", "drop_metadata"])
+@pytest.mark.parametrize("damage", ["corrupt_arrays", "delete_arrays", "drop_metadata",
+                                    "truncate_arrays"])
 def test_partial_or_corrupted_checkpoint_is_skipped_and_named(tmp_path, damage):
   trainer = train.Trainer(_config())
   state = trainer.init_state()
@@ -360,6 +447,11 @@ def test_partial_or_corrupted_checkpoint_is_skipped_and_named(tmp_path, damage):
   elif damage == "delete_arrays":
     for name in glob.glob(os.path.join(step4, "state", "**", "d", "*"), recursive=True):
       os.remove(name)
+  elif damage == "truncate_arrays":
+    # TensorStore's read error reaches us wrapped in a plain Exception by orbax.
+    files = glob.glob(os.path.join(step4, "state", "**", "d", "*"), recursive=True)
+    with open(max(files, key=os.path.getsize), "w"):
+      pass
   else:
     os.remove(os.path.join(step4, "meta", "metadata"))
   # A leftover of an interrupted save of step 6.
@@ -373,6 +465,9 @@ def test_partial_or_corrupted_checkpoint_is_skipped_and_named(tmp_path, damage):
   assert int(restored.state["step"]) == 2
   assert any("skipping step 6" in m and "partial" in m for m in messages), messages
   assert any("skipping step 4" in m for m in messages), messages
+  if damage == "truncate_arrays":
+    assert any("skipping step 4: cannot be loaded (Exception: " in m for m in messages), (
+        messages)
 
 
 def test_no_checkpoint_restores_is_an_error_naming_every_step(tmp_path):
@@ -393,7 +488,8 @@ def test_no_checkpoint_restores_is_an_error_naming_every_step(tmp_path):
   assert "cannot be loaded" in why4 or "corrupted" in why4, why4
   assert "unreadable metadata" in why2, why2
   assert f"step 4: {why4}; step 2: {why2}" in str(err.value)
-  assert "refusing to start again at step 0" in str(err.value)
+  # What it means is the caller's to say (train: it will not start again at step 0 over them).
+  assert "step 0" not in str(err.value)
   assert len(messages) == 2          # each skipped step was also reported as it was tried
 
 
@@ -419,9 +515,141 @@ def test_resume_of_another_model_stops_instead_of_saving_over(tmp_path):
                               f"{ckpt} restores (step 2: saved by another run configuration ("), (
                                   run.stderr[-3000:])
   assert "model.d_model 32 there, 64 now" in lines[-1]
-  assert lines[-1].endswith("to start afresh, give another --checkpoint_dir")
+  assert lines[-1].endswith("; refusing to start again at step 0, which would save over them; "
+                            "to start afresh, give another --checkpoint_dir")
   assert "step 1 " not in run.stdout and not (tmp_path / "m.jsonl").exists()
   assert {p: os.path.getmtime(p) for p in glob.glob(str(ckpt / "**"), recursive=True)} == before
+
+
+# ------------------------------------------- which steps resume, and saves that must happen
+
+
+def _state_at(trainer, step):
+  """The initial state as if `step` steps had run (its "step" counter says so)."""
+  state = trainer.init_state()
+  return dict(state, step=jax.device_put(jnp.int32(step), trainer.replicated))
+
+
+def _save_as_run(ckpt, step, state, config):
+  """Saves as train.run does: the data stream position and the run's identity."""
+  assert ckpt.save(step, state, {"data": {"seed": config.seed, "next_step": step},
+                                 "run": train._identity(config)}, force=True)
+  ckpt.wait()
+
+
+def test_a_step_folder_holding_another_step_is_skipped(tmp_path):
+  """A copy of 2/ named 6/ (all its fingerprints right) holds the state of step 2: skipped,
+  2 restores; metadata that puts the data stream at another step is refused too."""
+  config = _config()
+  trainer = train.Trainer(config)
+  ckpt = checkpointing.Checkpoints(str(tmp_path), save_every=2, keep=5, async_save=False)
+  _save_as_run(ckpt, 2, _state_at(trainer, 2), config)
+  ckpt.close()
+  shutil.copytree(tmp_path / "2", tmp_path / "6")
+  messages = []
+  restored = checkpointing.Checkpoints(str(tmp_path), save_every=2, keep=5,
+                                       log=messages.append).restore_latest(
+                                           trainer.abstract_state(),
+                                           check_meta=train._same_run(config),
+                                           check_restored=train.holds_step)
+  assert restored is not None and restored.step == 2 and restored.skipped == (6,)
+  assert messages == ["checkpoint: skipping step 6: holds the state of step 2"], messages
+  assert train.holds_step(2, restored.state, restored.meta) is None
+  assert train.holds_step(2, restored.state, {"data": {"next_step": 3}}) == (
+      "its metadata puts the data stream at step 3")
+
+
+def test_resume_moves_unusable_newer_steps_aside_and_saves_the_last_step(tmp_path):
+  """Steps 2 (good) and 4 (corrupted): resume restores 2 and moves 4 aside (to
+  4.unusable-2, as 4.unusable exists), so that orbax saves 4 again and the last step, 5 (not
+  a multiple of --save_every). Before: the saves of 4 and 5 silently did not happen."""
+  config = _config(steps=5)
+  trainer = train.Trainer(config)
+  ckpt = checkpointing.Checkpoints(str(tmp_path), save_every=2, keep=3, async_save=False)
+  _save_as_run(ckpt, 2, _state_at(trainer, 2), config)
+  _save_as_run(ckpt, 4, _state_at(trainer, 4), config)
+  ckpt.close()
+  _corrupt_arrays(str(tmp_path / "4"))
+  os.makedirs(tmp_path / "4.unusable")
+  messages = []
+  outcome = train.run(trainer, checkpoint_dir=str(tmp_path), save_every=2, keep=3,
+                      async_save=True, resume=True, log=messages.append)
+  assert [m["step"] for m in outcome.history] == [3, 4, 5]
+  assert any(m.startswith("checkpoint: skipping step 4: ") for m in messages), messages
+  assert (f"checkpoint: moved unusable step 4 aside, to {tmp_path / '4.unusable-2'} (newer "
+          "than the step restored, it would stop every later save)") in messages, messages
+  assert sorted(os.listdir(tmp_path)) == ["2", "4", "4.unusable", "4.unusable-2", "5"]
+  reader = checkpointing.Checkpoints(str(tmp_path), save_every=2, keep=3)
+  assert reader.complete_steps() == [5, 4, 2] and reader.partial_steps() == []
+  restored = reader.restore_latest(trainer.abstract_state(), check_restored=train.holds_step)
+  assert restored.step == 5 and int(restored.state["step"]) == 5
+  reader.close()
+
+
+def test_a_save_that_is_due_and_does_not_start_is_reported(tmp_path, monkeypatch):
+  """Step 8 is in the folder (as if another run wrote there meanwhile): orbax refuses to save
+  steps 1 and 2. On a preemption notice at step 1 the message says it could not save; a due
+  save (step 2) that does not start is an error. Before: "saved step 1", and nothing."""
+  config = _config(steps=2)
+  trainer = train.Trainer(config)
+  ckpt = checkpointing.Checkpoints(str(tmp_path), save_every=2, keep=3, async_save=False)
+  _save_as_run(ckpt, 8, _state_at(trainer, 8), config)
+  ckpt.close()
+  monkeypatch.setattr(train.distributed.PreemptionNotice, "reached",
+                      lambda self, step: step == 1)
+  messages = []
+  outcome = train.run(trainer, checkpoint_dir=str(tmp_path), save_every=2, keep=3,
+                      async_save=False, resume=False, log=messages.append)
+  assert outcome.preempted_at == 1
+  assert (f"train: preemption notice (SIGTERM): could not save step 1: {tmp_path} already "
+          "holds step 8, and orbax saves only steps after its newest (is another run writing "
+          "into this folder?); stopping at step 1 of 2") in messages, messages
+  monkeypatch.setattr(train.distributed.PreemptionNotice, "reached", lambda self, step: False)
+  with pytest.raises(RuntimeError, match=re.escape(
+      f"checkpoint: the save of step 2, due, did not start: {tmp_path} already holds step 8")):
+    train.run(trainer, checkpoint_dir=str(tmp_path), save_every=2, keep=3, async_save=False,
+              resume=False, log=messages.append)
+  assert sorted(os.listdir(tmp_path)) == ["8"]
+
+
+@pytest.mark.parametrize("flag,there,now", [("learning_rate", 0.01, 0.05),
+                                            ("warmup_steps", 2, 0)])
+def test_resume_with_another_learning_rate_or_warmup_is_refused(tmp_path, flag, there, now):
+  """Part of the run's identity (before: silently resumed with the new value); --steps is
+  not (extending a run is legitimate)."""
+  config = _config(steps=2)
+  ckpt = checkpointing.Checkpoints(str(tmp_path), save_every=2, keep=3, async_save=False)
+  _save_as_run(ckpt, 2, _state_at(train.Trainer(config), 2), config)
+  ckpt.close()
+  other = train.Trainer(dataclasses.replace(config, **{flag: now}))
+  with pytest.raises(checkpointing.NoUsableCheckpointError, match=re.escape(
+      f"step 2: saved by another run configuration ({flag} {there!r} there, {now!r} now)")):
+    train.run(other, checkpoint_dir=str(tmp_path), save_every=2, keep=3, async_save=False,
+              resume=True, log=lambda _: None)
+  assert train._same_run(dataclasses.replace(config, total_steps=9))(
+      {"run": train._identity(config)}) is None
+
+
+def test_resume_past_steps_is_refused_and_at_steps_is_complete(tmp_path):
+  """A restored step past --steps would train nothing and say nothing: refused (status 2 in
+  the command); equal to --steps: the run is complete, said so, nothing trained or saved."""
+  from ringflash.cli import UsageError
+  config = _config(steps=4)
+  ckpt = checkpointing.Checkpoints(str(tmp_path), save_every=2, keep=3, async_save=False)
+  _save_as_run(ckpt, 4, _state_at(train.Trainer(config), 4), config)
+  ckpt.close()
+  shorter = train.Trainer(dataclasses.replace(config, total_steps=2))
+  with pytest.raises(UsageError, match=re.escape(
+      f"--steps=2 is below the step restored from {tmp_path}, 4: give --steps=4 or more")):
+    train.run(shorter, checkpoint_dir=str(tmp_path), save_every=2, keep=3, async_save=False,
+              resume=True, log=lambda _: None)
+  messages = []
+  outcome = train.run(train.Trainer(config), checkpoint_dir=str(tmp_path), save_every=2,
+                      keep=3, async_save=False, resume=True, log=messages.append)
+  assert outcome.history == [] and outcome.preempted_at is None
+  assert messages[-1] == ("train: the run is already complete: step 4 of --steps=4 restored, "
+                          "nothing to train"), messages
+  assert sorted(os.listdir(tmp_path)) == ["4"]
 
 
 # ------------------------------------------------------------- preemption notice (SIGTERM)
