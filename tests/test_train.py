@@ -466,8 +466,39 @@ def test_partial_or_corrupted_checkpoint_is_skipped_and_named(tmp_path, damage):
   assert any("skipping step 6" in m and "partial" in m for m in messages), messages
   assert any("skipping step 4" in m for m in messages), messages
   if damage == "truncate_arrays":
-    assert any("skipping step 4: cannot be loaded (Exception: " in m for m in messages), (
-        messages)
+    # TensorStore's error, as orbax raises it: a plain Exception or a ValueError, by file.
+    assert any("skipping step 4: cannot be loaded (" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("error,skipped", [(Exception, True), (OSError, True),
+                                           (AttributeError, False)])
+def test_what_a_load_raises_skips_the_step_unless_it_is_a_bug(tmp_path, monkeypatch, error,
+                                                             skipped):
+  """orbax wraps TensorStore's read errors in a plain Exception: the step is skipped and
+  named (it was a traceback); an error of ours (AttributeError) is raised, not hidden."""
+  trainer = train.Trainer(_config())
+  ckpt = checkpointing.Checkpoints(str(tmp_path), save_every=2, keep=5, async_save=False)
+  for step in (2, 4):
+    ckpt.save(step, trainer.init_state(), {"data": {"seed": 0, "next_step": step}})
+  ckpt.close()
+  messages = []
+  reader = checkpointing.Checkpoints(str(tmp_path), save_every=2, keep=5,
+                                     log=messages.append)
+  restore = reader._manager.restore
+
+  def failing(step, *args, **kwargs):
+    if step == 4:
+      raise error("Error reading Byte range [0, 208438) of local file")
+    return restore(step, *args, **kwargs)
+
+  monkeypatch.setattr(reader._manager, "restore", failing)
+  if skipped:
+    assert reader.restore_latest(trainer.abstract_state()).step == 2
+    assert messages == [f"checkpoint: skipping step 4: cannot be loaded ({error.__name__}: "
+                        f"Error reading Byte range [0, 208438) of local file)"], messages
+  else:
+    with pytest.raises(AttributeError):
+      reader.restore_latest(trainer.abstract_state())
 
 
 def test_no_checkpoint_restores_is_an_error_naming_every_step(tmp_path):
