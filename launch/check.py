@@ -216,8 +216,10 @@ def errors(results: dict[str, jax.Array], expected: dict[str, np.ndarray]) -> di
   worst = {}
   for name, array in results.items():
     scale = max(1.0, float(np.abs(expected[name]).max()))
-    worst[name] = max(float(np.abs(np.asarray(s.data) - expected[name][s.index]).max())
-                      for s in array.addressable_shards) / scale
+    # np.max over every shard's error: a NaN in any shard is the result (Python's max
+    # keeps its first argument beside a NaN, so a NaN past the first shard was dropped).
+    worst[name] = float(np.max([np.abs(np.asarray(s.data) - expected[name][s.index]).max()
+                                for s in array.addressable_shards])) / scale
   return worst
 
 

@@ -176,3 +176,29 @@ def test_bench_refuses_what_would_run_nothing_in_process():
   for change in ({"xla_max_len": 0, "impls": ["xla", "ringflash"]},
                  {"kv_heads": ["4"], "gqa_seq_lens": ["4096"]}):
     bench.check_flags(types.SimpleNamespace(**(good | change)))
+
+
+@pytest.mark.parametrize("where", ["one", "all"])
+def test_demo_fails_when_the_ring_gives_nan(where):
+  """A NaN in the ring's output (one element, or all) is a FAIL with status 1: the demo
+  printed PASS, its max over a large CPU array dropping the NaN (all-NaN gave -inf) and
+  Python's max keeping its first argument beside one."""
+  script = textwrap.dedent(f"""
+      import sys
+      import jax, jax.numpy as jnp
+      import ringflash
+      real = ringflash.ring_attention
+      def broken(*args, **kwargs):
+        out = real(*args, **kwargs)
+        nan = jnp.zeros(out.shape, out.dtype)
+        nan = nan.at[0, 3, 0, 0].set(jnp.nan) if {where!r} == "one" else nan + jnp.nan
+        return out + jax.lax.stop_gradient(nan)
+      ringflash.ring_attention = broken
+      from ringflash.cli import run
+      sys.argv = ["ringflash", "demo", "--seq_len=256", "--reference_chunk=64"]
+      run()
+      """)
+  done = _run(script=script)
+  assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+  assert "\nFAIL: largest error relative to max(1, |reference|) = nan" in done.stdout, (
+      done.stdout[-2000:])

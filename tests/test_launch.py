@@ -87,6 +87,21 @@ def single_process_result():
   return {name: np.asarray(x) for name, x in results.items()}
 
 
+@pytest.mark.parametrize("token", [3, 40])
+def test_check_errors_see_a_nan_in_any_shard(token):
+  """A NaN in device 5's shard (token 40 of 64 on 8 devices) is the error, as in device 0's:
+  it was dropped by Python's max over the shards, and check said ok."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()[:8]), ("sp",))
+  want = np.zeros((1, 64, 2, 4), np.float32)
+  got = want.copy()
+  got[0, token, 0, 0] = np.nan
+  worst = check.errors({"out": jax.device_put(got, NamedSharding(mesh, P(None, "sp")))},
+                       {"out": want})
+  assert np.isnan(worst["out"]), worst
+
+
 @pytest.mark.parametrize("processes,devices", [(2, 4), (4, 2)])
 def test_processes_match_single_process(processes, devices, single_process_result, tmp_path):
   flags_ = [f"--{k}={v}" if not isinstance(v, bool) else f"--{'' if v else 'no'}{k}"
