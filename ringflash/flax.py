@@ -125,6 +125,8 @@ def _refuse(*, bias, mask, dropout_rate, deterministic, module, input_positions)
     raise NotImplementedError(
         "ringflash.flax_attention_fn: an attention bias (bias=) is not supported: ring "
         "attention never builds the [T, S] matrix it would be added to")
+  if not 0.0 <= dropout_rate < 1.0:          # flax's own rule (NaN fails it too)
+    raise ValueError(f"dropout_rate must be in the range [0, 1), got {dropout_rate!r}")
   if dropout_rate > 0.0 and not deterministic:
     raise NotImplementedError(
         f"ringflash.flax_attention_fn: dropout of the attention weights ({dropout_rate=}, "

@@ -24,8 +24,10 @@ about the order; position embeddings must use the true positions, `layout_positi
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding
 
 from ringflash.parallel.plan import LAYOUTS as LAYOUTS
 from ringflash.parallel.plan import check_layout as check_layout
@@ -85,14 +87,36 @@ def _axis_len(x, axis):
   shape = getattr(x, "shape", None)
   if shape is None:
     raise ValueError(f"x must be an array, got {type(x).__name__}")
+  if not isinstance(axis, (int, np.integer)) or isinstance(axis, (bool, np.bool_)):
+    raise ValueError(f"axis must be an int, got {axis!r}")
   if not -len(shape) <= axis < len(shape):
     raise ValueError(f"axis={axis} is out of range for an array of rank {len(shape)}")
   return shape[axis]
 
 
 def _take(x, order, axis, layout):
+  """x permuted along axis by `order`, keeping x's sharding where it is visible (a concrete
+  array's NamedSharding; a tracer's on a mesh of Explicit axes): a gather along a sharded
+  axis would otherwise come out replicated (every device holding the whole sequence), or be
+  refused on Explicit axes."""
   if layout == "contiguous":
     return x
   if isinstance(x, np.ndarray):
     return np.take(x, order, axis=axis)
-  return jnp.take(x, jnp.asarray(order, jnp.int32), axis=axis)
+  index = np.asarray(order, np.int32)
+
+  def take(x):
+    return jnp.take(x, index, axis=axis)
+
+  if isinstance(x, jax.core.Tracer):
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if isinstance(sharding, NamedSharding) and any(
+        t == AxisType.Explicit for t in getattr(sharding.mesh, "axis_types", ())):
+      return jax.sharding.auto_axes(take, out_sharding=sharding)(x)
+    return take(x)
+  sharding = getattr(x, "sharding", None)
+  if not isinstance(sharding, NamedSharding):
+    return take(x)
+  if any(t == AxisType.Explicit for t in sharding.mesh.axis_types):
+    return jax.jit(jax.sharding.auto_axes(take, out_sharding=sharding))(x)
+  return jax.jit(take, out_shardings=sharding)(x)

@@ -144,6 +144,20 @@ def test_dropout_off_when_deterministic():
   _close(ours(x, deterministic=True), ref(x, deterministic=True))
 
 
+@pytest.mark.parametrize("rate,deterministic", [(-0.5, False), (float("nan"), False),
+                                                (1.0, True), (1.5, True)])
+def test_a_dropout_rate_flax_refuses_is_refused(rate, deterministic):
+  """flax refuses a dropout_rate outside [0, 1) with a ValueError; so do we (NaN with
+  deterministic=False silently ran without the dropout asked for)."""
+  fn = ringflash.flax_attention_fn(mesh=helpers.mesh_of(8))
+  q = jnp.zeros((B, T, N, F // N))
+  with pytest.raises(ValueError, match=r"dropout_rate must be in the range \[0, 1\)"):
+    fn(q, q, q, dropout_rate=rate, deterministic=deterministic)
+  with pytest.raises(ValueError, match=r"dropout_rate must be in the range \[0, 1\)"):
+    nnx.dot_product_attention(q, q, q, dropout_rate=rate, deterministic=deterministic,
+                              dropout_rng=jax.random.key(0))
+
+
 @pytest.mark.parametrize("case", ["mask", "bias", "dropout", "sow_weights",
                                   "input_positions", "decode"])
 def test_unsupported_arguments(case):

@@ -387,6 +387,34 @@ def test_bad_layout_arguments():
     ringflash.from_layout(x, "striped", 0)
   with pytest.raises(ValueError, match="axis"):
     ringflash.to_layout(x, "striped", 2, axis=2)
+  for axis in (1.0, None, "1", True):          # each was a TypeError not naming axis
+    with pytest.raises(ValueError, match="axis must be an int"):
+      ringflash.to_layout(x, "striped", 2, axis=axis)
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_layouts_keep_the_sequence_sharded(explicit):
+  """to_layout / from_layout of a sequence-sharded array keep it sharded: on a mesh of Auto
+  axes the gather came out replicated (every device holding the whole sequence), on
+  Explicit axes it was JAX's ShardingTypeError. Eagerly, and inside jit on Explicit axes
+  (on Auto axes a tracer shows no sharding: the compiler chooses), with the values of the
+  NumPy permutation."""
+  from jax.sharding import AxisType, Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()[:8]), ("sp",),
+              axis_types=(AxisType.Explicit if explicit else AxisType.Auto,))
+  host = np.arange(2 * 64 * 3, dtype=np.float32).reshape(2, 64, 3)
+  seq = NamedSharding(mesh, P(None, "sp"))
+  x = jax.device_put(host, seq)
+  for layout in ("zigzag", "striped"):
+    want = ringflash.to_layout(host, layout, 8)
+    jitted = jax.jit(ringflash.to_layout, static_argnums=(1, 2))
+    for fn in (ringflash.to_layout,) + ((jitted,) if explicit else ()):
+      y = fn(x, layout, 8)
+      assert y.addressable_shards[0].data.shape == (2, 8, 3)
+      np.testing.assert_array_equal(np.asarray(y), want)
+      back = ringflash.from_layout(y, layout, 8)
+      assert back.addressable_shards[0].data.shape == (2, 8, 3)
+      np.testing.assert_array_equal(np.asarray(back), host)
 
 
 def test_sharded_entry_with_layout():
