@@ -105,15 +105,12 @@ class Job:
   tie_tolerance: float
 
 
-# KVCache slots are counted in multiples of this per device of the ring.
-SLOT_TILE = 128
-
-
 def cache_slots(input_positions: int, ring: int) -> int:
   """Slots of a cache that holds `input_positions` tokens over a ring of `ring` devices: the
-  next multiple of SLOT_TILE x ring (e.g. 4103 positions on a ring of 4: 4608 slots, 1152
-  per device, nine tiles of 128)."""
-  unit = SLOT_TILE * ring
+  next multiple of kvcache.SLOT_MULTIPLE (128) x ring (e.g. 4103 positions on a ring of 4:
+  4608 slots, 1152 per device, nine tiles of 128)."""
+  from ringflash import kvcache                   # pylint: disable=g-import-not-at-top
+  unit = kvcache.SLOT_MULTIPLE * ring
   return -(-input_positions // unit) * unit
 
 

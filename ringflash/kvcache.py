@@ -40,6 +40,8 @@ from ringflash.parallel import decode as decode_parallel
 from ringflash.parallel import plan as ring_plan
 
 EMPTY = decode_parallel.EMPTY
+# max_len a multiple of this x the devices: a share every backend's kernel tiles.
+SLOT_MULTIPLE = decode.SLOT_MULTIPLE
 
 
 @jax.tree_util.register_pytree_node_class
