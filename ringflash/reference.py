@@ -13,6 +13,8 @@ import jax.numpy as jnp
 def dense_attention(q, k, v, causal: bool, chunk: int):
   """Dense softmax attention in float32, a chunk of query rows at a time.
 
+  q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv] in float32.
+
   Written from the definition (no tiling, no online softmax, no ring), so it shares nothing
   with the kernels; chunking only bounds memory: [B, N, chunk, S] scores at a time.
   """
@@ -34,5 +36,5 @@ def dense_attention(q, k, v, causal: bool, chunk: int):
     return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), vf,
                       precision="highest")
 
-  out = jax.lax.map(rows, jnp.arange(0, t, chunk))          # [T / chunk, B, chunk, N, H]
-  return out.transpose(1, 0, 2, 3, 4).reshape(b, t, n, h)
+  out = jax.lax.map(rows, jnp.arange(0, t, chunk))          # [T / chunk, B, chunk, N, Hv]
+  return out.transpose(1, 0, 2, 3, 4).reshape(b, t, n, v.shape[-1])

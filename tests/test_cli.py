@@ -202,3 +202,23 @@ def test_demo_fails_when_the_ring_gives_nan(where):
   assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
   assert "\nFAIL: largest error relative to max(1, |reference|) = nan" in done.stdout, (
       done.stdout[-2000:])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n,k,h,hv", [(4, 4, 16, 16), (4, 2, 32, 16), (2, 1, 16, 32)])
+def test_demo_reference_matches_the_oracle(causal, n, k, h, hv):
+  """`demo` and `check` measure the ring against ringflash.reference, a second dense
+  implementation; it agrees with the tests' oracle, GQA and a value head dim unlike the
+  query's among the shapes (it reshaped its output to the query's head dim)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from ringflash import reference  # pylint: disable=g-import-not-at-top
+  import oracle  # pylint: disable=g-import-not-at-top
+  kq, kk, kv = jax.random.split(jax.random.PRNGKey(7), 3)
+  q = jax.random.normal(kq, (2, 48, n, h))
+  keys = jax.random.normal(kk, (2, 48, k, h))
+  values = jax.random.normal(kv, (2, 48, k, hv))
+  got = reference.dense_attention(q, keys, values, causal, chunk=16)
+  want, _ = oracle.attention(q, keys, values, causal=causal)
+  assert got.shape == (2, 48, n, hv)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
