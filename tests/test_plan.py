@@ -15,6 +15,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import pytest  # noqa: E402
 
 from ringflash.cli import UsageError  # noqa: E402
+from ringflash.cli import memory as compiler_memory  # noqa: E402
 from ringflash.cli import plan as planner  # noqa: E402
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
@@ -165,18 +166,18 @@ _VMEM = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory
      130.81 * 2**30, 95.74 * 2**30),
 ])
 def test_out_of_memory_messages_are_parsed(message, memory, needed, available):
-  oom = planner.parse_out_of_memory(message)
+  oom = compiler_memory.parse_out_of_memory(message)
   assert oom.memory == memory
   assert oom.needed == round(needed) and oom.available == round(available)
   assert str(oom).startswith(f"{memory} needs ")
 
 
 def test_other_errors_are_not_out_of_memory():
-  assert planner.parse_out_of_memory("INTERNAL: Mosaic failed to compile TPU kernel") is None
-  assert planner.parse_out_of_memory("Ran out of memory in memory space host.") is None
-  vague = planner.parse_out_of_memory("Ran out of memory in memory space vmem while ...")
+  assert compiler_memory.parse_out_of_memory("INTERNAL: Mosaic failed to compile TPU kernel") is None
+  assert compiler_memory.parse_out_of_memory("Ran out of memory in memory space host.") is None
+  vague = compiler_memory.parse_out_of_memory("Ran out of memory in memory space vmem while ...")
   assert vague.memory == "VMEM" and vague.needed is None
-  assert str(planner.parse_out_of_memory(_SMEM)) == "SMEM needs 1.13 MiB of 1.00 MiB available"
+  assert str(compiler_memory.parse_out_of_memory(_SMEM)) == "SMEM needs 1.13 MiB of 1.00 MiB available"
 
 
 def _report(**changes):
@@ -199,7 +200,7 @@ def _flags(**changes):
 @pytest.mark.parametrize("report,status,says", [
     (_report(), None, "fits (92.00 GiB left)"),
     (_report(total=96 * 2**30, fits=False), 1, "DOES NOT FIT (1.00 GiB short)"),
-    (_report(fits=False, out_of_memory=planner.parse_out_of_memory(_HBM)), 1,
+    (_report(fits=False, out_of_memory=compiler_memory.parse_out_of_memory(_HBM)), 1,
      "does not fit: HBM needs 124.91 GiB of 95.73 GiB available"),
 ])
 def test_main_exits_1_when_the_plan_does_not_fit(monkeypatch, capsys, report, status, says):
