@@ -134,8 +134,8 @@ def job_from_flags(values: flags.FlagValues = FLAGS, *, folders: bool = True) ->
 
   absl's bounds have refused non-positive sizes while parsing; this checks what relates
   flags to each other, to the environment of `ringflash launch` and to the file system (a
-  --checkpoint_dir that already holds complete steps needs --resume). What needs the device count is check_devices,
-  what needs ring attention's own rules is Trainer.check_shapes.
+  --checkpoint_dir that already holds complete steps needs --resume). What needs the device
+  count is check_devices, what needs ring attention's own rules is Trainer.check_shapes.
 
   Raises:
     UsageError: naming the flag and what is allowed.
