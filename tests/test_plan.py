@@ -3,7 +3,10 @@ are at their peak, the ring's shape, and the longest sequence that fits (--max_s
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
+import io
 import os
 import re
 import subprocess
@@ -28,7 +31,7 @@ def test_plan_reports_memory_fit_and_ring_permutes():
   small = planner.plan("v5e:2x4", batch=1, seq_len=65536, heads=8, kv_heads=2, head_dim=128,
                        dtype="bfloat16", causal=True, mode="train", backend="auto")
   assert small["backend"] == "pallas_tpu" and small["chips"] == 8
-  assert small["tokens_per_chip"] == 8192
+  assert small["tokens_per_device"] == 8192
   # One loop body per ring: forward sends k and v (one array); backward also the dk/dv
   # accumulators (one array). Positions are computed, not sent.
   assert small["permutes_per_step"] == [1, 2]
@@ -141,7 +144,7 @@ def test_a_plan_the_compiler_cannot_fit_says_which_memory_and_exits_1():
        "--mode=forward"], env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 1, done.stderr[-3000:]
   assert "Traceback" not in done.stderr
-  assert "1048576 tokens per chip" in done.stdout
+  assert "1048576 tokens per device" in done.stdout
   assert "does not fit: HBM needs" in done.stdout or "DOES NOT FIT" in done.stdout
 
 
@@ -180,11 +183,43 @@ def test_other_errors_are_not_out_of_memory():
   assert str(compiler_memory.parse_out_of_memory(_SMEM)) == "SMEM needs 1.13 MiB of 1.00 MiB available"
 
 
+@needs_libtpu
+def test_a_v4_plan_is_per_device_with_its_share_of_the_chips_hbm():
+  """libtpu lists a v4 chip's two TensorCores as two devices: the plan counts tokens and
+  memory per device and compares them with half the chip's 32 GiB (it compared a device's
+  total with the whole chip's HBM, and --max_seq_len counted tokens per chip)."""
+  r = planner.plan("v4:2x2x1", batch=1, seq_len=8192, heads=4, kv_heads=4, head_dim=64,
+                   dtype="bfloat16", causal=False, mode="forward")
+  assert (r["chips"], r["devices"], r["tokens_per_device"]) == (4, 8, 1024)
+  assert r["hbm"] == 16 * 2**30
+  shown = io.StringIO()
+  with contextlib.redirect_stdout(shown):
+    planner.print_plan(r)
+  assert "(8 x TPU v4, 4 chips)" in shown.getvalue()
+  assert "1024 tokens per device" in shown.getvalue()
+
+
+def test_a_buffer_size_two_roles_share_is_named_as_either():
+  """With N = K, dq (fp32) is as large as dk; with N = 2K, q as large as K/V together: the
+  breakdown names every role of the size (it kept the last one, calling dq dk)."""
+  same = compiler_memory.Shapes(batch=1, tokens=8, heads=4, kv_heads=4, head_dim=16,
+                                dtype="bfloat16", train=True)
+  assert same.role("f32", 8 * 4 * 16) == ("o or dq, fp32: accumulator, or one hop's kernel "
+                                          "output; or dk or dv, fp32")
+  assert same.role("bf16", 8 * 4 * 16) == ("q, out, dout (or their copies) (bf16); or k or v "
+                                           "(bf16)")
+  half = dataclasses.replace(same, kv_heads=2)
+  assert half.role("bf16", 8 * 4 * 16) == ("q, out, dout (or their copies) (bf16); or K/V: "
+                                           "held, in flight (bf16)")
+  assert half.role("f32", 8 * 2 * 16) == "dk or dv, fp32"
+  assert half.role("f16", 8 * 2 * 16) == "other"
+
+
 def _report(**changes):
-  report = {"topology": "v5p:2x2x2", "chips": 8, "device_kind": "TPU v5", "backend":
-            "pallas_tpu", "strategy": "ring", "mode": "train", "tokens_per_chip": 196608,
-            "block_q": 512, "block_k": 512, "hbm": 95 * 2**30, "arguments": 2**30,
-            "temporaries": 2**30, "outputs": 2**30, "total": 3 * 2**30, "fits": True,
+  report = {"topology": "v5p:2x2x2", "chips": 8, "devices": 8, "device_kind": "TPU v5",
+            "backend": "pallas_tpu", "strategy": "ring", "mode": "train",
+            "tokens_per_device": 196608, "block_q": 512, "block_k": 512, "hbm": 95 * 2**30,
+            "arguments": 2**30, "temporaries": 2**30, "outputs": 2**30, "total": 3 * 2**30, "fits": True,
             "permutes_per_step": [1, 2], "all_gathers": 0, "out_of_memory": None,
             "breakdown": None, "unavoidable": 2 * 2**30}
   return report | changes
@@ -248,7 +283,7 @@ def _linear_probe(per_token, fixed, hbm, calls):
   def probe(n):
     calls.append(n)
     total = fixed + per_token * n
-    return _report(tokens_per_chip=n, total=total, hbm=hbm, fits=total <= hbm)
+    return _report(tokens_per_device=n, total=total, hbm=hbm, fits=total <= hbm)
   return probe
 
 
@@ -265,8 +300,8 @@ def test_longest_finds_the_limit_in_a_few_compiles(per_token, start):
 
 
 def test_longest_says_none_when_nothing_fits():
-  best, runs = planner.longest(lambda n: _report(tokens_per_chip=n, fits=False), start=8192)
-  assert best is None and [r["tokens_per_chip"] for r in runs] == [8192, 4096, 2048, 1024]
+  best, runs = planner.longest(lambda n: _report(tokens_per_device=n, fits=False), start=8192)
+  assert best is None and [r["tokens_per_device"] for r in runs] == [8192, 4096, 2048, 1024]
 
 
 def test_main_max_seq_len_prints_every_compile_and_the_longest(monkeypatch, capsys):
@@ -275,13 +310,13 @@ def test_main_max_seq_len_prints_every_compile_and_the_longest(monkeypatch, caps
 
   def fake_plan(topology, *, seq_len, breakdown=True, **model):
     del topology, breakdown, model
-    return probe(seq_len // 8) | {"tokens_per_chip": seq_len // 8}
+    return probe(seq_len // 8) | {"tokens_per_device": seq_len // 8}
 
   monkeypatch.setattr(planner, "FLAGS", _flags(max_seq_len=True, seq_len=1004))
   monkeypatch.setattr(planner, "plan", fake_plan)
   planner.main([])
   out = capsys.readouterr().out
   best = calls[-1]
-  assert f"longest: {best * 8} tokens ({best} per chip)" in out
-  assert out.count("tokens per chip (") == len(calls) - 1      # the last is the plan itself
-  assert f"{calls[0]} tokens per chip ({calls[0] * 8} in all)" in out
+  assert f"longest: {best * 8} tokens ({best} per device)" in out
+  assert out.count("tokens per device (") == len(calls) - 1      # the last is the plan itself
+  assert f"{calls[0]} tokens per device ({calls[0] * 8} in all)" in out

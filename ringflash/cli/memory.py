@@ -101,23 +101,24 @@ class Shapes:
     return inputs + (2 * qo + kv) * isz + 4 * (qo + kv)        # + dout, grads, fp32 acc
 
   def role(self, dtype: str, elements: int) -> str:
-    """What a buffer of this dtype and size holds, by its size."""
+    """What a buffer of this dtype and size holds, by its size; every role of that size,
+    when several have it (with N = K, dq is as large as dk)."""
     b, t, n, k, h = self.batch, self.tokens, self.heads, self.kv_heads, self.head_dim
     own = _HLO_TYPES[self.dtype][0]
-    names = {
-        b * t * n * h: ("o or dq, fp32: accumulator, or one hop's kernel output",
-                        "q, out, dout (or their copies)"),
-        2 * b * t * k * h: ("dK/dV, fp32: accumulator, in flight", "K/V: held, in flight"),
-        b * t * k * h: ("dk or dv, fp32", "k or v"),
-        b * n * t: ("row statistics (lse, D), fp32", "row statistics"),
-    }
-    if elements in names:
-      fp32, other = names[elements]
-      if dtype == "f32":
-        return fp32
-      if dtype == own:
-        return other + f" ({dtype})"
-    return "other"
+    roles = (   # (elements, as fp32, in the input dtype)
+        (b * t * n * h, "o or dq, fp32: accumulator, or one hop's kernel output",
+         "q, out, dout (or their copies)"),
+        (2 * b * t * k * h, "dK/dV, fp32: accumulator, in flight", "K/V: held, in flight"),
+        (b * t * k * h, "dk or dv, fp32", "k or v"),
+        (b * n * t, "row statistics (lse, D), fp32", "row statistics"),
+    )
+    if dtype == "f32":
+      found = [fp32 for size, fp32, _ in roles if size == elements]
+    elif dtype == own:
+      found = [f"{other} ({dtype})" for size, _, other in roles if size == elements]
+    else:
+      found = []
+    return "; or ".join(found) if found else "other"
 
 
 @dataclasses.dataclass(frozen=True)

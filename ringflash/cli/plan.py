@@ -8,8 +8,8 @@ Example:
       --max_seq_len
 
 Compiles deviceless for the topology (libtpu's TPU compiler, Mosaic kernels included), with the
-sequence sharded over a ring of all its chips, and prints per-device memory from the compiled
-program (arguments, temporaries, outputs), whether it fits the chip's HBM, the number of
+sequence sharded over a ring of all its devices, and prints per-device memory from the compiled
+program (arguments, temporaries, outputs), whether it fits a device's HBM, the number of
 collective-permutes per ring step and the kernel block sizes; then what the temporaries are at
 their peak (the buffers live at that point of the schedule, from the compiler's buffer
 assignment, grouped by what they hold), against the step's unavoidable arrays (q, k, v, out,
@@ -17,16 +17,19 @@ lse, dout, the gradients and their fp32 accumulators).
 
 --max_seq_len (or --max-seq-len) finds the longest sequence that fits the topology instead, by
 compiling (`longest`: --seq_len first, then extrapolation, as memory is linear in the length,
-then bisection to 1/64, in multiples of 1024 tokens per chip); it prints every length it
+then bisection to 1/64, in multiples of 1024 tokens per device); it prints every length it
 compiled and the plan of the longest.
 
+A device is what libtpu lists for the topology: a chip on v5e, v5p and v6e; on v4 each of a
+chip's two TensorCores (v4:2x2x1 is 8 devices), each with half the chip's HBM.
+
 When it does not fit, the command says so and exits with status 1: either the compiled
-program's total exceeds the chip's HBM, or the TPU compiler itself ran out of a memory
+program's total exceeds a device's HBM, or the TPU compiler itself ran out of a memory
 (HBM, or a kernel's VMEM or SMEM), e.g.
 
   does not fit: HBM needs 124.91 GiB of 95.73 GiB available (the TPU compiler ran out of memory)
 
---strategy (default ring) picks the strategy over the chips; with --strategy=auto the plan
+--strategy (default ring) picks the strategy over the devices; with --strategy=auto the plan
 compiles the cost model's choice and prints ringflash.explain's estimate of every strategy.
 
 Flags are checked before anything is compiled; a mistake is one line and status 2.
@@ -53,7 +56,7 @@ FLAGS = flags.FLAGS
 
 BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 STRATEGIES = ("ring", "auto", "allgather", "ulysses")
-# --max_seq_len: tokens per chip are multiples of this, and the search stops within 1/64.
+# --max_seq_len: tokens per device are multiples of this, and the search stops within 1/64.
 SEARCH_QUANTUM = 1024
 SEARCH_PRECISION = 1 / 64
 
@@ -195,8 +198,9 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
       assignment, dumped to a temporary directory).
 
   Returns:
-    {topology, chips, device_kind, backend, strategy (the one compiled: auto's choice),
-    requested, explain (ringflash.explain's table), mode, tokens_per_chip, block_q, block_k,
+    {topology, chips, devices, device_kind, backend, strategy (the one compiled: auto's
+    choice), requested, explain (ringflash.explain's table), mode, tokens_per_device, block_q,
+    block_k,
     arguments, temporaries, outputs, total, hbm, fits, permutes_per_step, all_gathers,
     out_of_memory, breakdown, unavoidable}. When the TPU compiler ran out of memory,
     out_of_memory is its OutOfMemory, fits is False and the compiled program's figures
@@ -238,13 +242,15 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
     choice = explain(backend, strategy)
   except (ValueError, NotImplementedError) as err:
     raise UsageError(_refusal(explain, backend, strategy, err)) from None
-  hbm = HBM_BYTES.get(topology.split(":")[0])
+  # HBM_BYTES is a chip's; a v4 chip is two devices (a TensorCore each), sharing it.
+  hbm = HBM_BYTES[topology.split(":")[0]] * topology_chips(topology) // ring
   shapes = Shapes(batch=batch, tokens=seq_len // ring, heads=heads, kv_heads=kv_heads,
                   head_dim=head_dim, dtype=dtype, train=mode == "train")
   report = {
-      "topology": topology, "chips": ring, "device_kind": devices[0].device_kind,
+      "topology": topology, "chips": topology_chips(topology), "devices": ring,
+      "device_kind": devices[0].device_kind,
       "backend": choice.backend, "strategy": choice.strategy, "requested": strategy,
-      "explain": str(choice), "mode": mode, "tokens_per_chip": seq_len // ring,
+      "explain": str(choice), "mode": mode, "tokens_per_device": seq_len // ring,
       # the tiles of the strategy's kernel calls (Ulysses': over the whole sequence)
       "block_q": getattr(choice.tiles, "block_q", None),
       "block_k": getattr(choice.tiles, "block_k", None), "hbm": hbm,
@@ -325,10 +331,10 @@ def _permutes_per_loop_body(text: str) -> list[int]:
 
 def longest(probe, *, start: int, quantum: int = SEARCH_QUANTUM,
             precision: float = SEARCH_PRECISION):
-  """The largest tokens-per-chip n (a multiple of `quantum`) with probe(n)["fits"], and every
+  """The largest tokens-per-device n (a multiple of `quantum`) with probe(n)["fits"], and every
   probe's report, in the order they ran.
 
-  probe(n) compiles at n tokens per chip and returns a plan's report. Memory is about linear
+  probe(n) compiles at n tokens per device and returns a plan's report. Memory is about linear
   in n: from the last two lengths that fit, the next is just below where their line reaches
   the HBM (at most 64 times the longest that fits; without a line, twice it), or, once that
   point fits, just above it; the first that does not fit brackets the limit, and bisection
@@ -365,8 +371,8 @@ def longest(probe, *, start: int, quantum: int = SEARCH_QUANTUM,
     guess = 2 * lo
     if len(ok) >= 2 and ok[-1]["hbm"] and ok[-1]["total"] > ok[-2]["total"]:
       a, b = ok[-2], ok[-1]
-      slope = (b["total"] - a["total"]) / (b["tokens_per_chip"] - a["tokens_per_chip"])
-      line = b["tokens_per_chip"] + (b["hbm"] - b["total"]) / slope
+      slope = (b["total"] - a["total"]) / (b["tokens_per_device"] - a["tokens_per_device"])
+      line = b["tokens_per_device"] + (b["hbm"] - b["total"]) / slope
       guess = line * (1 - precision)
       if guess <= lo * (1 + precision):
         guess = lo * (1 + 2 * precision) + quantum
@@ -404,8 +410,10 @@ def _model(f) -> str:
 
 def print_plan(r) -> None:
   """The plan's figures, breakdown included."""
-  print(f"{r['topology']} ({r['chips']} x {r['device_kind']}), backend {r['backend']}, "
-        f"strategy {r['strategy']}, {r['tokens_per_chip']} tokens per chip, blocks "
+  shared = f", {r['chips']} chips" if r["chips"] != r["devices"] else ""
+  print(f"{r['topology']} ({r['devices']} x {r['device_kind']}{shared}), backend "
+        f"{r['backend']}, strategy {r['strategy']}, {r['tokens_per_device']} tokens per device, "
+        f"blocks "
         f"bq={r['block_q']} bk={r['block_k']}")
   if r.get("requested") == "auto":
     print("  " + r["explain"].replace("\n", "\n  "))
@@ -413,7 +421,7 @@ def print_plan(r) -> None:
     print(f"  does not fit: {r['out_of_memory']} (the TPU compiler ran out of memory)",
           flush=True)
     return
-  per_token = r["total"] / r["tokens_per_chip"]
+  per_token = r["total"] / r["tokens_per_device"]
   print(f"  per device  arguments {_gib(r['arguments'])}  temporaries {_gib(r['temporaries'])}"
         f"  outputs {_gib(r['outputs'])}  total {_gib(r['total'])}  ({_kib(per_token)} per "
         f"token)")
@@ -444,23 +452,23 @@ def main(argv):
                head_dim=FLAGS.head_dim, dtype=FLAGS.dtype, causal=FLAGS.causal,
                mode=FLAGS.mode, backend=FLAGS.backend, strategy=FLAGS.strategy)
   if FLAGS.max_seq_len:
-    chips = topology_chips(FLAGS.topology)
+    ring = len(topology_devices(FLAGS.topology))
     print(f"longest sequence that fits {FLAGS.topology} ({_model(FLAGS)}), by compiling:",
           flush=True)
 
     def probe(n):
-      r = plan(FLAGS.topology, seq_len=n * chips, breakdown=False, **model)
+      r = plan(FLAGS.topology, seq_len=n * ring, breakdown=False, **model)
       said = (f"{_gib(r['total']).strip()}  {'fits' if r['fits'] else 'DOES NOT FIT'}"
               if r["out_of_memory"] is None else f"does not fit: {r['out_of_memory']}")
-      print(f"  {n:>9} tokens per chip ({n * chips} in all): {said}", flush=True)
+      print(f"  {n:>9} tokens per device ({n * ring} in all): {said}", flush=True)
       return r
 
-    best, _ = longest(probe, start=max(SEARCH_QUANTUM, FLAGS.seq_len // chips))
+    best, _ = longest(probe, start=max(SEARCH_QUANTUM, FLAGS.seq_len // ring))
     if best is None:
-      print(f"  not even {SEARCH_QUANTUM} tokens per chip fit", flush=True)
+      print(f"  not even {SEARCH_QUANTUM} tokens per device fit", flush=True)
       raise SystemExit(1)
-    print(f"longest: {best * chips} tokens ({best} per chip)\n", flush=True)
-    print_plan(plan(FLAGS.topology, seq_len=best * chips, **model))
+    print(f"longest: {best * ring} tokens ({best} per device)\n", flush=True)
+    print_plan(plan(FLAGS.topology, seq_len=best * ring, **model))
     return
   r = plan(FLAGS.topology, seq_len=FLAGS.seq_len, **model)
   print_plan(r)
