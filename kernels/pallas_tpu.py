@@ -142,6 +142,11 @@ def unsupported(problem: base.Problem) -> str | None:
     return (f"backend {NAME!r} runs on TPU devices (and, interpreted, on CPU devices), not "
             f"on {problem.platform!r} devices")
   if not problem.interpret:
+    if jnp.dtype(problem.dtype) == jnp.float16:
+      # Mosaic has no float16 vector loads on any TPU generation (v4, v5e, v5p, v6e:
+      # "Invalid vector type for load"); "auto" takes xla.
+      return (f"backend {NAME!r} runs float32 and bfloat16 on TPU, not float16 (Mosaic "
+              f"loads no float16 vectors): give bfloat16, or backend 'xla'")
     for what, length in (("query", problem.q_len), ("key", problem.kv_len)):
       if length % _TPU_LENGTH:
         return (f"backend {NAME!r} tiles local {what} lengths that are multiples of "

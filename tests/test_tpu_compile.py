@@ -192,3 +192,25 @@ def test_each_transfer_is_one_array_and_dkdv_go_home_in_the_input_dtype():
   # forward loop: k+v; backward loop: dk+dv, k+v (positions are computed, not sent)
   assert sorted(moved["loop"]) == sorted([f"bf16{pair}", f"f32{pair}", f"bf16{pair}"]), moved
   assert moved["after"] == [f"bf16{pair}"], moved
+
+
+def test_float16_is_refused_by_the_tpu_kernels_and_auto_takes_xla():
+  """Mosaic loads no float16 vectors on any TPU generation: the kernels died in the compiler
+  ("Invalid vector type for load", a traceback from `ringflash plan --dtype=float16`). A
+  named pallas_tpu refuses float16 before Mosaic sees it; "auto" runs the xla backend."""
+  mesh = _mesh("v5p:2x2x2")
+  sharding = NamedSharding(mesh, P(None, "sp", None, None))
+  args = [jax.ShapeDtypeStruct((1, 1024, h, 64), jnp.float16, sharding=sharding)
+          for h in (4, 4, 4)]
+
+  def attn(backend):
+    return lambda q, k, v: ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=True,
+                                                    backend=backend, strategy="ring")
+
+  with pytest.raises(NotImplementedError, match="not float16"):
+    jax.jit(attn("pallas_tpu")).lower(*args)
+  assert ringflash.explain(*args, mesh=mesh, is_causal=True, strategy="ring").backend == "xla"
+  compiled = jax.jit(attn("auto")).lower(*args).compile()
+  assert not _kernels(compiled.as_text())
+  assert compiled.out_info.dtype == jnp.float16
+
