@@ -53,8 +53,10 @@ def test_scaling_mode_rows_per_ring_size(tmp_path):
       (1, True, "zigzag"), (2, True, "zigzag"), (4, True, "zigzag")]
   assert all(r["fwd_eff"] > 0 and r["fwdbwd_eff"] > 0 for r in rows)
   assert [r["fwd_eff"] for r in rows if r["P"] == 1] == [1.0, 1.0]
-  # the xla backend's programs have no Pallas kernel for a permute to span
-  assert all(r["permutes"] == 0 for r in rows if r["P"] > 1)
+  # the ring's permutes are counted (the JSON said 0); the xla backend's programs have no
+  # Pallas kernel for a permute to span, so that count is None
+  assert all(r["permutes"] > 0 and r["permutes_spanning_kernel"] is None
+             for r in rows if r["P"] > 1)
   assert "permutes spanning a kernel: none found" in out
   assert len(os.listdir(tmp_path / "hlo")) == 8       # fwd and fwd+bwd of each P > 1 ring
 
@@ -122,6 +124,31 @@ def test_a_failing_implementation_of_ours_is_an_error(name):
     harness.time_in_turns(calls, warmup=1, iters=2)
 
 
+def test_a_row_in_which_nothing_ran_is_an_error():
+  """--impls=cudnn on a CPU: the peer failed, and the bench wrote a row of dashes with status
+  0; nothing measured is a failure."""
+  from ringflash.cli.bench import harness
+
+  def fails():
+    raise RuntimeError("cuDNN is not detected.")
+
+  with pytest.raises(harness.ImplementationError,
+                     match="no implementation ran: cudnn: RuntimeError: cuDNN is not"):
+    harness.time_in_turns({"cudnn": (fails, ())}, warmup=0, iters=2)
+
+
+def test_time_median_never_times_the_first_call():
+  """With --warmup=0 the virtual and layouts modes timed the compile (the first call of a
+  jitted function): one untimed call always comes first."""
+  from ringflash.cli.bench import harness
+  calls = []
+  harness.time_median(lambda: calls.append(1), warmup=0, iters=3)
+  assert len(calls) == 4
+  calls.clear()
+  harness.time_median(lambda: calls.append(1), warmup=2, iters=1)
+  assert len(calls) == 3
+
+
 def test_ratio_is_the_median_of_the_rounds_ratios():
   from ringflash.cli.bench import harness
   # round ratios 2.0, 0.5, 1.5: the median 1.5, not the ratio of the medians (1.0)
@@ -140,7 +167,7 @@ def test_gpu_compiler_options_follow_the_flag():
 
 
 def test_kernels_mode_keeps_other_implementations_when_one_fails(tmp_path):
-  out = _bench(tmp_path, "--mode=kernels", "--seq_lens=128", "--gqa_seq_lens=128",
+  out = _bench(tmp_path, "--mode=kernels", "--gqa_seq_lens=128",
                "--causal=true", "--impls=ringflash,cudnn,xla", devices=1)
   rows = json.load(open(tmp_path / "bench_kernels.json"))["rows"]
   assert len(rows) == 1 and "cudnn_error" in rows[0]
@@ -233,6 +260,16 @@ _SMALL = ("--seq_lens=64", "--kv_heads=2", "--heads=2", "--head_dim=16")
      "are cpu"),
     (["--mode=longest", "--collectives_in_flight=2"], "--collectives_in_flight is an option "
                                                       "of XLA's GPU compiler"),
+    # kernels: --seq_lens are the K = N rows' lengths, --gqa_seq_lens the others'
+    (["--kv_heads=1"], "--seq_lens are the lengths of the rows with K = N (--kv_heads=2), and "
+                       "--kv_heads=1 has none"),
+    (["--gqa_seq_lens=64"], "--gqa_seq_lens are the lengths of the GQA rows"),
+    (["--impls=ringflash", "--xla_max_len=8"], "--xla_max_len limits the xla implementation"),
+    # features: mla, h80 and h96 have head dims of their own; only mla runs xla
+    (["--mode=features", "--variants=mla,h80"], "--head_dim applies to the variants plain, "
+                                                "sinks, softcap"),
+    (["--mode=features", "--variants=plain", "--xla_max_len=8"],
+     "--xla_max_len limits the mla variant's xla row"),
 ])
 def test_a_flag_that_cannot_take_effect_is_refused(tmp_path, flags, says):
   line = _refused(tmp_path, *_SMALL, *flags, devices=2)
@@ -298,3 +335,15 @@ def test_strategies_row_without_backward_prints_a_dash_for_it(capsys):
   strategies._print({"P": 4, "T_local": 32, "K": 2, "causal": False, "auto_choice": "ring",
                      "ring_fwd_eff": 0.5, "auto_fwd_eff": 0.5, "ring_fwdbwd_eff": 0.25})
   assert "ring 0.50|0.25 auto 0.50|-;" in capsys.readouterr().out
+
+
+def test_strategies_mode_leaves_hybrid_out_where_the_default_ulysses_size_cannot_fit(tmp_path):
+  """On 2 devices the hybrid strategy has no (P / U, U) with U = 2 below P: the bench refused
+  --ulysses_size, a flag not given; it now runs the other strategies and says so."""
+  out = _bench(tmp_path, "--mode=strategies", "--seq_lens=32", "--causal=false",
+               "--nobackward", devices=2)
+  assert "--ulysses_size: the default 2 does not fit 2 device(s); hybrid left out" in out
+  rows = json.load(open(tmp_path / "bench_strategies.json"))["rows"]
+  assert len(rows) == 1 and "hybrid_fwd_eff" not in rows[0]
+  assert rows[0]["ring_fwd_eff"] > 0 and rows[0]["ulysses_fwd_eff"] > 0
+

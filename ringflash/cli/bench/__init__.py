@@ -83,7 +83,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("xla_max_len", 16384, "kernels, features: skip the xla backend above this T")
   flags.DEFINE_list("gqa_seq_lens", ["16384"], "kernels: sequence lengths of the GQA rows")
   flags.DEFINE_integer("warmup", 2, "every mode but longest (which runs each length once): "
-                       "untimed calls (kernels mode: at least one, the compile)")
+                       "untimed calls, at least one (the first call compiles)")
   flags.DEFINE_integer("iters", 5, "every mode but longest: timed calls (median); kernels "
                        "mode: rounds")
   flags.DEFINE_list("ring_sizes", ["2", "4", "8"], "virtual, layouts: ring sizes P")
@@ -108,7 +108,8 @@ def define_flags() -> None:
                     "features: the variants to run (plain, sinks, softcap, mla, h80, h96)")
   flags.DEFINE_integer("ulysses_size", 2, "strategies: devices of the hybrid strategy's "
                        "Ulysses axis (the devices as (P / U, U)), a divisor of P below P; 0 "
-                       "leaves hybrid out", lower_bound=0)
+                       "leaves hybrid out (so does the default 2 where it does not fit: on "
+                       "1, 2 or an odd number of devices)", lower_bound=0)
 
 
 # The flags that only some modes read, and those modes: given on the command line with any
@@ -202,7 +203,9 @@ def check_flags(f, given=()) -> None:
   if not f.out:
     raise UsageError("--out must name a folder")
   if f.mode == "kernels":
-    _check_kernel_rows(f, seq_lens)
+    _check_kernel_rows(f, seq_lens, given)
+  if f.mode == "features":
+    _check_feature_rows(f, given)
   # scaling runs non-causal rows in the contiguous layout; longest's rows are all causal.
   if (f.mode == "scaling" and "layout" in given and f.layout != "contiguous"
       and "true" not in causal):
@@ -219,9 +222,23 @@ def check_flags(f, given=()) -> None:
                      f"cuts them in two chunks, got {odd[0]}")
 
 
-def _check_kernel_rows(f, seq_lens: list[int]) -> None:
-  """Every length of the kernels mode must run some implementation: the xla backend is left
-  out above --xla_max_len, and a length with nothing else to run would be a row of dashes."""
+def _check_kernel_rows(f, seq_lens: list[int], given=()) -> None:
+  """The kernels mode reads --seq_lens for the rows of K = N, --gqa_seq_lens for the other
+  --kv_heads and --xla_max_len where --impls has xla: a length list given for rows that
+  --kv_heads does not have, or --xla_max_len without xla, would be ignored. Every length must
+  run some implementation: the xla backend is left out above --xla_max_len, and a length with
+  nothing else to run would be a row of dashes."""
+  kv = [int(kh) for kh in f.kv_heads]
+  if "seq_lens" in given and f.heads not in kv:
+    raise UsageError(f"--seq_lens are the lengths of the rows with K = N (--kv_heads="
+                     f"{f.heads}), and --kv_heads={','.join(f.kv_heads)} has none; "
+                     f"--gqa_seq_lens gives the lengths of the others")
+  if "gqa_seq_lens" in given and all(kh == f.heads for kh in kv):
+    raise UsageError(f"--gqa_seq_lens are the lengths of the GQA rows (--kv_heads below "
+                     f"--heads={f.heads}), and --kv_heads={','.join(f.kv_heads)} has none")
+  if "xla_max_len" in given and "xla" not in f.impls:
+    raise UsageError(f"--xla_max_len limits the xla implementation, and --impls="
+                     f"{','.join(f.impls)} does not run it")
   if set(f.impls) != {"xla"}:
     return
   lens = [t for kh in f.kv_heads
@@ -230,6 +247,19 @@ def _check_kernel_rows(f, seq_lens: list[int]) -> None:
   if over:
     raise UsageError(f"--impls=xla runs nothing at T={over[0]}: the xla backend is left out "
                      f"above --xla_max_len={f.xla_max_len}")
+
+
+def _check_feature_rows(f, given=()) -> None:
+  """The features mode's fixed-shape variants (mla: H = 192 / 128, h80, h96) ignore
+  --head_dim, and only mla runs the xla backend (--xla_max_len): either flag given where no
+  variant of --variants reads it would be ignored."""
+  from ringflash.cli.bench import features  # pylint: disable=g-import-not-at-top
+  if "head_dim" in given and all(v in features.FIXED_HEAD_DIMS for v in f.variants):
+    raise UsageError(f"--head_dim applies to the variants {', '.join(features.OWN_HEAD_DIM)}; "
+                     f"--variants={','.join(f.variants)} run head dims of their own")
+  if "xla_max_len" in given and "mla" not in f.variants:
+    raise UsageError(f"--xla_max_len limits the mla variant's xla row, and --variants="
+                     f"{','.join(f.variants)} has no mla")
 
 
 def check_devices(f, devices: list, given=()) -> None:
@@ -253,13 +283,17 @@ def check_devices(f, devices: list, given=()) -> None:
                      "devices, and this job has 1 device")
   if f.mode == "strategies":
     from ringflash.cli.bench import strategies  # pylint: disable=g-import-not-at-top
+    if "ulysses_size" not in given and not strategies.hybrid_fits(len(devices), f.ulysses_size):
+      print(f"--ulysses_size: the default {f.ulysses_size} does not fit {len(devices)} "
+            f"device(s); hybrid left out", flush=True)
+      f.ulysses_size = 0
     strategies.check_devices(f, devices)
 
 
 def main(argv):
   """Checks the flags, runs the mode, writes bench_<mode>.json (and the kernels plot)."""
   del argv
-  given = [name for name in MODE_FLAGS if FLAGS[name].present]
+  given = [name for name in (*MODE_FLAGS, "head_dim") if FLAGS[name].present]
   check_flags(FLAGS, given=given)
   from ringflash.launch import distributed  # pylint: disable=g-import-not-at-top
 

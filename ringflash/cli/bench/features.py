@@ -29,6 +29,9 @@ import ringflash
 from ringflash.cli.bench import harness
 
 VARIANTS = ("plain", "sinks", "softcap", "mla", "h80", "h96")
+# The variants of fixed head dims (H, Hv); the others run --head_dim.
+FIXED_HEAD_DIMS = {"mla": (192, 128), "h80": (80, 80), "h96": (96, 96)}
+OWN_HEAD_DIM = tuple(v for v in VARIANTS if v not in FIXED_HEAD_DIMS)
 
 
 def _cudnn(causal, pad_to=None):
@@ -67,8 +70,7 @@ def run(f) -> list[dict]:
   sinks = jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32)
   rows = []
   for variant in f.variants:
-    h, hv = {"mla": (192, 128), "h80": (80, 80), "h96": (96, 96)}.get(
-        variant, (f.head_dim, f.head_dim))
+    h, hv = FIXED_HEAD_DIMS.get(variant, (f.head_dim, f.head_dim))
     for t in map(int, f.seq_lens):
       for causal in [c.lower() == "true" for c in f.causal]:
         q, k, v, do = _inputs(b, t, n, kh, h, hv)

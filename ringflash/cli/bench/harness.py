@@ -1,7 +1,7 @@
 """The timing harness of `ringflash bench`, shared by its modes (and by scripts/).
 
 Time is wall clock around `jax.block_until_ready`: `seconds` for one call, `time_median`
-for the median of --iters calls after --warmup, `time_in_turns` for several implementations
+for the median of --iters calls after --warmup (at least one), `time_in_turns` for several implementations
 of one computation timed round by round (a drift of the device's clock falls on all of them
 alike), `ratio_by_round` for the ratio of two implementations from those rounds.
 
@@ -49,8 +49,9 @@ def seconds(fn, *args) -> float:
 
 
 def time_median(fn, *args, warmup: int, iters: int) -> float:
-  """Median seconds of `iters` calls of fn(*args) after `warmup` untimed calls."""
-  for _ in range(warmup):
+  """Median seconds of `iters` calls of fn(*args) after max(warmup, 1) untimed calls (the
+  first call of a jitted function compiles it: it is never timed)."""
+  for _ in range(max(warmup, 1)):
     seconds(fn, *args)
   return statistics.median(seconds(fn, *args) for _ in range(iters))
 
@@ -78,7 +79,8 @@ def time_in_turns(calls: dict, *, warmup: int, iters: int,
     ({name: [seconds per round]}, {name: error text of a left-out peer}).
 
   Raises:
-    ImplementationError: one of ringflash's own implementations raised, naming it.
+    ImplementationError: one of ringflash's own implementations raised, naming it; or every
+      implementation was a peer and every one failed (nothing to time).
   """
   names, errors = [], {}
   for name, (fn, args) in calls.items():
@@ -91,6 +93,9 @@ def time_in_turns(calls: dict, *, warmup: int, iters: int,
         raise ImplementationError(f"implementation {name!r} failed: {_first_line(err)}") from err
       # A baseline failing (e.g. cuDNN unavailable) must not hide the others.
       errors[name] = f"{type(err).__name__}: {str(err)[:200]}"
+  if calls and not names:         # a row of dashes measures nothing: say so, as a failure
+    raise ImplementationError("no implementation ran: " + "; ".join(
+        f"{name}: {err.splitlines()[0] if err else ''}" for name, err in errors.items()))
   times = {name: [] for name in names}
   for r in range(iters):
     for j in range(len(names)):

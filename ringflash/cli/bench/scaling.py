@@ -69,8 +69,12 @@ def run(f) -> list[dict]:
                   f"(eff {harness.figure(row['fwdbwd_eff'], 3)})")
           if p > 1:
             found = [o for text in texts for o in hlo.permute_overlap(text)]
-            row["permutes"] = len(found)
-            row["permutes_spanning_kernel"] = sum(o.encloses_kernel for o in found)
+            # every permute of the programs; those spanning a kernel only where the backend
+            # runs kernels (custom calls) for one to span: None for the xla backend's fusions
+            row["permutes"] = sum(hlo.is_permute(line) for text in texts
+                                  for line in text.splitlines())
+            row["permutes_spanning_kernel"] = (sum(o.encloses_kernel for o in found)
+                                               if found else None)
             line += f"; {hlo.overlap_summary(found)}"
             if f.hlo_dir:
               write_hlo(f.hlo_dir, texts, f"P{p}_T{tl}_K{kh}_{'causal' if causal else 'full'}")

@@ -82,6 +82,11 @@ def _ours(name: str, mesh: Mesh, axis, causal: bool, layout: str):
   return attention
 
 
+def hybrid_fits(p: int, u: int) -> bool:
+  """Whether the hybrid strategy runs on P devices as (P / U, U): U divides P, below it."""
+  return p % u == 0 and u < p
+
+
 def check_devices(f, devices: list) -> None:
   """--ulysses_size, --heads and --kv_heads against the P devices, before anything compiles:
   each strategy of ringflash is traced on the abstract inputs of every row (the ulysses and
@@ -91,7 +96,7 @@ def check_devices(f, devices: list) -> None:
     UsageError: one line naming the flag.
   """
   p, u = len(devices), f.ulysses_size
-  if u and (p % u or u >= p):
+  if u and not hybrid_fits(p, u):
     raise UsageError(f"--ulysses_size={u} must divide the {p} devices and be smaller than "
                      f"them (the hybrid strategy runs on the devices as (P / U, U), a ring of "
                      f"P / U >= 2); 0 leaves hybrid out")
