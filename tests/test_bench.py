@@ -63,7 +63,9 @@ def test_scaling_mode_rows_per_ring_size(tmp_path):
 
 def test_longest_mode_compiles_each_length_and_runs_the_short_ones(tmp_path):
   out = _bench(tmp_path, "--mode=longest", "--seq_lens=256,128", "--run_max_len=256")
-  rows = json.load(open(tmp_path / "bench_longest.json"))["rows"]
+  written = json.load(open(tmp_path / "bench_longest.json"))
+  rows = written["rows"]
+  assert "warmup" not in written["meta"] and "iters" not in written["meta"]   # not read
   assert [(r["T"], r["T_local"]) for r in rows] == [(256, 128), (512, 256)]
   assert rows[0]["seconds"] > 0 and rows[1]["seconds"] is None      # 512 > --run_max_len
   assert rows[0]["bytes_per_device"] < rows[1]["bytes_per_device"]

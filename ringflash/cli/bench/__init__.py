@@ -315,8 +315,9 @@ def main(argv):
   if jax.process_index() != 0:     # process 0 of a multi-process job writes the files
     return
   meta = {"jax": jax.__version__, "device": dev.device_kind, "mode": FLAGS.mode,
-          "warmup": FLAGS.warmup, "iters": FLAGS.iters, "processes": jax.process_count(),
-          "devices": len(jax.devices())}
+          "processes": jax.process_count(), "devices": len(jax.devices())}
+  if FLAGS.mode in MODE_FLAGS["iters"]:       # longest runs each length once
+    meta |= {"warmup": FLAGS.warmup, "iters": FLAGS.iters}
   harness.write_json(FLAGS.out, FLAGS.mode, rows, meta)
   if FLAGS.mode == "kernels":
     harness.plot_kernels(rows, FLAGS.impls, os.path.join(FLAGS.out, "bench_kernels.png"))
