@@ -392,7 +392,9 @@ def local_lengths(call: Call, ring_size: int, kernel, local: bool):
   LENGTH_MULTIPLE (the smallest local length its kernels tile); zigzag and striped try the
   even split first, where there is one, and then the padded one (a zigzag chunk, half a
   device's share, a multiple of LENGTH_MULTIPLE), so that "auto" keeps the native kernel
-  where padding lets it run.
+  where padding lets it run. The bidirectional ring halves each device's keys: an even split
+  with an odd share (6 striped tokens on 2 devices: 3 each) is no candidate, only the padded
+  one (4 each).
   """
   if local:
     return [(call.t, call.s)]
@@ -408,6 +410,8 @@ def local_lengths(call: Call, ring_size: int, kernel, local: bool):
   if call.layout == "contiguous" or not fits:
     return [padded]
   even = (call.t // ring_size, call.s // ring_size)
+  if call.bidirectional and ring_size > 1 and even[1] % 2:
+    return [padded]
   return [even] if even == padded else [even, padded]
 
 

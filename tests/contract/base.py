@@ -133,6 +133,10 @@ VOCAB_CASES = [
               segments=True, lead=(1,)),
     # causal, one token short: the padding is hidden by the causal mask, no ids
     VocabCase("causal-uneven-zigzag-sinks-P4", 4, layout="zigzag", trim=1, sinks=True),
+    # striped, divisible by P but an odd share a device (UNIT - 1), which the bidirectional
+    # ring cannot halve: padded inside (it died in the ring's planner)
+    VocabCase("striped-odd-share-bidi-P2", 2, layout="striped", trim=2, bidirectional=True,
+              lead=(1,)),
 ]
 
 SLOW_VOCAB_CASES = [
