@@ -19,6 +19,42 @@ def frozen(x):
   return tuple(frozen(e) for e in x) if isinstance(x, (list, tuple)) else x
 
 
+def context_mesh() -> tuple[Mesh | None, object]:
+  """(the concrete mesh of jax.set_mesh, or None; the abstract context mesh, or None).
+
+  jax.sharding.get_mesh reads the concrete mesh only where no trace is under way (under
+  jit, grad or vmap it raises ValueError); the mesh itself is JAX's context value, which
+  get_mesh returns, read where the public function refuses (jax._src.mesh, looked up
+  defensively: None where a JAX lacks it, and then only the abstract mesh is known).
+  """
+  abstract = jax.sharding.get_abstract_mesh()
+  if abstract.empty:
+    return None, None
+  try:
+    concrete = jax.sharding.get_mesh()
+  except ValueError:            # a trace is under way
+    from jax._src import mesh as jax_mesh  # pylint: disable=g-import-not-at-top
+    read = getattr(jax_mesh, "get_concrete_mesh", None)
+    concrete = read() if read is not None else None
+  if not isinstance(concrete, Mesh) or concrete.empty:
+    concrete = None
+  return concrete, abstract
+
+
+def check_context(mesh: Mesh, abstract=None) -> None:
+  """Under jax.set_mesh a shard_map must run on the context mesh, axis types included.
+
+  Raises:
+    ValueError: naming mesh, when it is not the context mesh (`abstract`: that mesh,
+      where the caller has read it).
+  """
+  if abstract is None:
+    abstract = jax.sharding.get_abstract_mesh()
+  if not abstract.empty and mesh.abstract_mesh != abstract:
+    raise ValueError(f"mesh={mesh} is not the context mesh ({abstract}, of jax.set_mesh; "
+                     f"axis types count): pass that mesh, or mesh=None to use it")
+
+
 def seq_axes(shape, axis_name) -> _validate.SeqAxes:
   """The mesh axes the sequence is sharded over, checked against the mesh's axes."""
   names = (axis_name,) if isinstance(axis_name, str) else axis_name

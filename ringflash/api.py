@@ -41,7 +41,8 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
     query: [..., T, N, H].
     key: [..., S, K, H], N % K == 0, the same leading dims.
     value: [..., S, K, Hv]; Hv may differ from H (e.g. MLA's 192 / 128).
-    mesh: the device mesh; None builds a 1-D mesh over jax.devices() named `axis_name`.
+    mesh: the device mesh; None takes the mesh of jax.set_mesh where one is set, else
+      builds a 1-D mesh over jax.devices() named `axis_name`.
     axis_name: the mesh axis the sequence is sharded over, or a tuple of axes (the sequence
       sharded over their product, first axis major; "hybrid" runs Ulysses over the last and
       the ring over the others). Other mesh axes are honoured: batch and heads keep the
@@ -172,12 +173,24 @@ def _default_mesh(axis_name: str) -> Mesh:
 
 
 def _mesh_and_axes(mesh, axis_name):
-  """(mesh, axis_name, its SeqAxes), checked: mesh=None is a 1-D mesh of every device.
+  """(mesh, axis_name, its SeqAxes), checked: mesh=None is the mesh of jax.set_mesh where
+  one is set, else a 1-D mesh of every device.
+
+  Under jax.set_mesh a shard_map must run on the context mesh (axis types included):
+  mesh=None takes it; another mesh, or mesh=None where only an abstract context mesh is
+  known (jax.sharding.use_abstract_mesh), is refused naming `mesh`, not left to shard_map's
+  error.
 
   Raises:
     ValueError: naming mesh or axis_name.
   """
   axis_name = _mesh.frozen(axis_name)
+  context, abstract = _mesh.context_mesh()
+  if mesh is None and context is not None:
+    mesh = context
+  elif mesh is None and abstract is not None:
+    raise ValueError(f"mesh=None under an abstract context mesh ({abstract}) with no "
+                     f"devices: pass the mesh (mesh=...)")
   if mesh is None:
     if not isinstance(axis_name, str):
       raise ValueError(f"mesh=None builds a 1-D mesh; axis_name must then be one name, got "
@@ -185,6 +198,7 @@ def _mesh_and_axes(mesh, axis_name):
     mesh = _default_mesh(axis_name)
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+  _mesh.check_context(mesh, abstract)
   return mesh, axis_name, _mesh.seq_axes(mesh.shape, axis_name)
 
 

@@ -257,3 +257,33 @@ def test_numbers_past_float_and_unknown_explain_options_are_named():
       ringflash.ring_attention(q, key, v, mesh=mesh, **{name: 10**400})
   with pytest.raises(TypeError, match="explain\\(\\) got an unexpected keyword argument 'foo'"):
     ringflash.explain(q, key, v, mesh=mesh, foo=1)
+
+
+def test_mesh_none_takes_the_context_mesh_and_another_mesh_there_is_named():
+  """Under jax.set_mesh (make_mesh: Explicit axes), mesh=None built an Auto mesh of every
+  device and JAX's shard_map refused it ("The context mesh ... should match the mesh passed
+  to shard_map"): mesh=None now takes the context mesh, eager, under jit and under grad; a
+  mesh other than the context's (axis types count) is a ValueError naming mesh, for
+  ring_attention and decode_attention alike."""
+  q = jax.random.normal(jax.random.PRNGKey(0), (B, T, N, H))
+  k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, T, K, H)) for i in (1, 2))
+
+  def attn(q):
+    return ringflash.ring_attention(q, k, v, is_causal=True)
+
+  want = np.asarray(attn(q))
+  want_grad = np.asarray(jax.grad(lambda q: attn(q).sum())(q))
+  mesh = jax.make_mesh((8,), ("sp",), axis_types=(jax.sharding.AxisType.Explicit,))
+  auto = jax.sharding.Mesh(np.array(jax.devices()), ("sp",))
+  with jax.set_mesh(mesh):
+    np.testing.assert_allclose(np.asarray(attn(q)), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.jit(attn)(q)), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda q: attn(q).sum())(q)), want_grad,
+                               rtol=1e-6, atol=1e-6)
+    for other in (auto, jax.make_mesh((4,), ("sp",), devices=jax.devices()[:4],
+                                      axis_types=(jax.sharding.AxisType.Explicit,))):
+      with pytest.raises(ValueError, match="mesh=.* is not the context mesh"):
+        ringflash.ring_attention(q, k, v, mesh=other)
+    with pytest.raises(ValueError, match="mesh=.* is not the context mesh"):
+      ringflash.decode_attention(q[:, :1], k, v, cache_lengths=jnp.full((B,), T, jnp.int32),
+                                 mesh=auto)
