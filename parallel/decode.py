@@ -238,6 +238,11 @@ def _attend(qf, k, v, visible, real_rows: int, spec: base.KernelSpec, backend: s
   """
   b, rows = qf.shape[:2]
   s = k.shape[1]
+  # The queries are replicated over the ring, the shard's keys vary over it: mark them
+  # varying here, where JAX would otherwise insert the conversion inside the kernel's
+  # branches, which fails when those branches are batched (jax.vmap over cache_lengths
+  # turns the kernel's tile-skipping cond into a select of both branches).
+  qf = base.match_vma(qf, k)
   if chunks > 1:
     k = k.reshape((b * chunks, s // chunks) + k.shape[2:])
     v = v.reshape((b * chunks, s // chunks) + v.shape[2:])

@@ -92,6 +92,22 @@ def test_baseline_strategies_match_the_oracle(strategy):
   _close(got, _reference(q, key, v, lengths, window=6))
 
 
+@pytest.mark.parametrize("strategy", ["reduce", "allgather", "ring"])
+def test_vmap_over_cache_lengths_matches_the_oracle(strategy):
+  """jax.vmap over the lengths (a batch of 2 sets of lengths over the same cache): the
+  "reduce" strategy died in JAX (pvary of a value already varying over the ring, in the
+  kernel's tile-skipping cond turned into a select by the batching)."""
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(3, 2, 3, 64, 4, 2, 16)
+  lengths = jnp.array([[40, 5], [30, 9]], jnp.int32)
+  kc, vc = _sharded(mesh, key, v)
+  got = jax.vmap(lambda n: ringflash.decode_attention(
+      q, kc, vc, cache_lengths=n, mesh=mesh, strategy=strategy, backend="xla",
+      return_residual=True))(lengths)
+  for i in range(2):
+    _close(jax.tree.map(lambda x, i=i: x[i], got), _reference(q, key, v, lengths[i]))
+
+
 @pytest.mark.parametrize("ring", [1, 4])
 def test_pallas_tpu_backend_interpreted(ring):
   mesh = helpers.mesh_of(ring)
