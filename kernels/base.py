@@ -39,6 +39,7 @@ the mask rules, tile skipping tests and the non-finite guards.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -391,3 +392,37 @@ def no_vma_check():
 def filled(shape, value, refs, dtype=jnp.float32):
   """jnp.full(shape, value, dtype) typed as varying like `refs` (see match_vma)."""
   return match_vma(jnp.full(shape, value, dtype), *refs)
+
+
+def first_order_only(name: str, kernel):
+  """`kernel` (a Pallas backend's forward or backward), made to say why it has no derivative.
+
+  JAX cannot differentiate a pallas_call; where something does (jax.grad of jax.grad or
+  jax.hessian, which differentiate the backward pass; forward mode of the kernels), it raised
+  a NotImplementedError with no message. Wrapped in a custom_jvp whose rule raises one that
+  names the backend and the one that has second derivatives (xla, written in jnp). The
+  KernelSpec argument stays static; nothing changes where nothing is differentiated.
+  """
+  def refuse(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(
+        f"backend {name!r} computes first derivatives only (JAX cannot differentiate its "
+        f"Pallas kernels): jax.grad of jax.grad, jax.hessian and forward mode of the kernels "
+        f"need backend='xla'")
+
+  @functools.wraps(kernel)
+  def call(*args, **kwargs):
+    specs = {i: a for i, a in enumerate(args) if isinstance(a, KernelSpec)}
+    spec_kwargs = {k: a for k, a in kwargs.items() if isinstance(a, KernelSpec)}
+    arrays = [None if i in specs else a for i, a in enumerate(args)]
+    others = {k: a for k, a in kwargs.items() if k not in spec_kwargs}
+
+    @jax.custom_jvp
+    def run(arrays, others):
+      return kernel(*[specs.get(i, a) for i, a in enumerate(arrays)], **others, **spec_kwargs)
+
+    run.defjvp(refuse)
+    return run(arrays, others)
+
+  return call
+

@@ -218,8 +218,8 @@ def _program(mesh: Mesh, batch, heads, options: _Options, types):
 
 
 _FORWARD_MODE = ("ringflash attention supports reverse-mode differentiation (jax.grad, "
-                 "jax.vjp, jax.value_and_grad) only; forward mode (jax.jvp, jax.jacfwd, "
-                 "jax.linearize) is not implemented")
+                 "jax.vjp, jax.value_and_grad) only; forward mode (jax.jvp, jax.jacfwd) is "
+                 "not implemented (jax.linearize returns, but its linear function fails)")
 
 
 @contextlib.contextmanager

@@ -287,3 +287,25 @@ def test_mesh_none_takes_the_context_mesh_and_another_mesh_there_is_named():
     with pytest.raises(ValueError, match="mesh=.* is not the context mesh"):
       ringflash.decode_attention(q[:, :1], k, v, cache_lengths=jnp.full((B,), T, jnp.int32),
                                  mesh=auto)
+
+
+def test_second_derivatives_run_on_xla_and_name_the_pallas_backend_that_has_none():
+  """jax.grad of jax.grad: the xla backend (jnp) differentiates its backward, and matches
+  the oracle's second derivative; pallas_tpu raised pallas_call's NotImplementedError with
+  no message, and now names itself and xla."""
+  import oracle  # pylint: disable=g-import-not-at-top
+  q, key, v = (jax.random.normal(jax.random.PRNGKey(i), (B, 16, 2, 8)) for i in range(3))
+  mesh = helpers.mesh_of(2)
+
+  def outer(attn):
+    inner = jax.grad(lambda q: jnp.sum(attn(q) ** 2))
+    return jax.grad(lambda q: jnp.sum(inner(q) ** 2))(q)
+
+  want = outer(lambda q: oracle.attention(q, key, v, causal=True)[0])
+  got = outer(lambda q: ringflash.ring_attention(q, key, v, mesh=mesh, is_causal=True,
+                                                 backend="xla"))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
+  with pytest.raises(NotImplementedError, match="backend 'pallas_tpu' computes first "
+                                                "derivatives only.*backend='xla'"):
+    outer(lambda q: ringflash.ring_attention(q, key, v, mesh=mesh, is_causal=True,
+                                             backend="pallas_tpu"))
