@@ -394,35 +394,41 @@ def filled(shape, value, refs, dtype=jnp.float32):
   return match_vma(jnp.full(shape, value, dtype), *refs)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order(name: str, x):
+  """x itself; differentiating it raises first_order_only's error (see there)."""
+  del name
+  return x
+
+
+@_first_order.defjvp
+def _no_second_derivative(name, primals, tangents):
+  del primals, tangents
+  raise NotImplementedError(
+      f"backend {name!r} computes first derivatives only (JAX cannot differentiate its "
+      f"Pallas kernels): jax.grad of jax.grad, jax.hessian and forward mode of the kernels "
+      f"need backend='xla'")
+
+
 def first_order_only(name: str, kernel):
   """`kernel` (a Pallas backend's forward or backward), made to say why it has no derivative.
 
   JAX cannot differentiate a pallas_call; where something does (jax.grad of jax.grad or
   jax.hessian, which differentiate the backward pass; forward mode of the kernels), it raised
-  a NotImplementedError with no message. Wrapped in a custom_jvp whose rule raises one that
-  names the backend and the one that has second derivatives (xla, written in jnp). The
-  KernelSpec argument stays static; nothing changes where nothing is differentiated.
+  a NotImplementedError with no message. Each floating-point input first passes an identity
+  whose custom_jvp rule raises one that names the backend and the one that has second
+  derivatives (xla, written in jnp): a differentiated kernel has an input with a tangent,
+  and that input's identity comes first. (The identity, not the kernel, is what the custom_jvp
+  wraps: the Mosaic GPU kernels hold mutable refs, which a custom_jvp body cannot.) Nothing
+  changes where nothing is differentiated.
   """
-  def refuse(primals, tangents):
-    del primals, tangents
-    raise NotImplementedError(
-        f"backend {name!r} computes first derivatives only (JAX cannot differentiate its "
-        f"Pallas kernels): jax.grad of jax.grad, jax.hessian and forward mode of the kernels "
-        f"need backend='xla'")
+  def guard(x):
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):   # tracers too
+      return _first_order(name, x)
+    return x
 
   @functools.wraps(kernel)
   def call(*args, **kwargs):
-    specs = {i: a for i, a in enumerate(args) if isinstance(a, KernelSpec)}
-    spec_kwargs = {k: a for k, a in kwargs.items() if isinstance(a, KernelSpec)}
-    arrays = [None if i in specs else a for i, a in enumerate(args)]
-    others = {k: a for k, a in kwargs.items() if k not in spec_kwargs}
-
-    @jax.custom_jvp
-    def run(arrays, others):
-      return kernel(*[specs.get(i, a) for i, a in enumerate(arrays)], **others, **spec_kwargs)
-
-    run.defjvp(refuse)
-    return run(arrays, others)
+    return kernel(*[guard(a) for a in args], **{k: guard(a) for k, a in kwargs.items()})
 
   return call
-
