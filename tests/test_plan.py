@@ -314,6 +314,7 @@ def test_main_max_seq_len_prints_every_compile_and_the_longest(monkeypatch, caps
 
   monkeypatch.setattr(planner, "FLAGS", _flags(max_seq_len=True, seq_len=1004))
   monkeypatch.setattr(planner, "plan", fake_plan)
+  monkeypatch.setattr(planner, "topology_devices", lambda topology: [None] * 8)   # no libtpu
   planner.main([])
   out = capsys.readouterr().out
   best = calls[-1]
