@@ -39,6 +39,10 @@ from ringflash.launch import tpu
 FLAGS = flags.FLAGS
 
 
+# absl's own flags this command reads (listed by --help with the ones it defines).
+ABSL_FLAGS = ("log_dir",)
+
+
 def define_flags() -> None:
   """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
   before parsing; importing the module (as tests do) defines nothing.

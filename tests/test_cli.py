@@ -222,3 +222,24 @@ def test_demo_reference_matches_the_oracle(causal, n, k, h, hv):
   want, _ = oracle.attention(q, keys, values, causal=causal)
   assert got.shape == (2, 48, n, hv)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sub,names", [
+    ("train", ["--steps", "--checkpoint_dir", "--learning_rate", "--resume"]),
+    ("check", ["--tolerance", "--seq_len"]),
+    ("generate", ["--tie_tolerance"]),
+    ("launch", ["--stop_timeout_s", "--timeout_s", "--log_dir", "--processes"]),
+    ("bench", ["--mode", "--warmup", "--ulysses_size"]),
+    ("plan", ["--topology", "--max_seq_len"]),
+    ("demo", ["--seq_len"]),
+])
+def test_help_lists_every_flag_of_the_subcommand(sub, names):
+  """`ringflash <sub> --help` lists its flags wherever they are defined: train's (in
+  launch/train_flags.py) and every finite float (defined through ringflash.cli) were missing,
+  and launch's --log_dir (absl's own); it also prints what the subcommand does."""
+  done = _run(sub, "--help")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.startswith(f"usage: ringflash {sub} [--flags]")
+  for name in names:
+    assert f"\n  {name}: " in done.stdout, (name, done.stdout[-3000:])
+  assert "(default: " in done.stdout and f"`ringflash {sub}" in done.stdout

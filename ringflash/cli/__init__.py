@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
+import textwrap
 
 # name -> (module, one-line help). Modules are imported only when chosen.
 SUBCOMMANDS = {
@@ -49,6 +50,13 @@ def define_float(name: str, default: float, help_: str, **kwargs) -> None:
                            flag_values=kwargs.get("flag_values", flags.FLAGS))
 
 
+def _flag_help(flag) -> str:
+  """One flag as --help lists it: name, help (absl's, an enum's choices first), default."""
+  lines = textwrap.wrap(f"--{flag.name}: {flag.help}", 96, initial_indent="  ",
+                        subsequent_indent="    ")
+  return "\n".join(lines + [f"    (default: {flag.default_as_str})"])
+
+
 def _usage() -> str:
   lines = ["usage: ringflash <subcommand> [--flags]   (ringflash <subcommand> --help)", ""]
   lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
@@ -80,11 +88,17 @@ def run(argv: list[str] | None = None) -> None:
   # not news to a user of these commands.
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   module = importlib.import_module(SUBCOMMANDS[name][0])
+  before = set(flags.FLAGS)
   module.define_flags()
   own = argv[2:argv.index("--")] if "--" in argv else argv[2:]   # after "--": a job's
   if any(a in ("-h", "--help") for a in own):
+    # Every flag the subcommand defined (in whichever module: train's are in
+    # launch/train_flags.py, finite floats in this one), and absl's that it reads.
+    names = sorted(set(flags.FLAGS) - before) + list(getattr(module, "ABSL_FLAGS", ()))
     print(f"usage: ringflash {name} [--flags]   ({SUBCOMMANDS[name][1]})\n")
-    print(flags.FLAGS.module_help(module))
+    if module.__doc__:
+      print(module.__doc__.strip() + "\n")
+    print("flags:\n" + "\n".join(_flag_help(flags.FLAGS[n]) for n in names))
     sys.exit(0)
 
   def parse(args):

@@ -33,7 +33,7 @@ Modes (--mode), one module each in this package, sharing the timing harness (har
            turns interleaved; efficiency table, JSON and PNG (strategies.py).
 
 FLOP convention (FlashAttention): forward 4 * B * N * T * S * H, halved when causal;
-forward+backward = 3.5x forward. Time: median of --iters calls after --warmup calls, wall
+forward+backward = 3.5x forward. Time: median of --iters calls after max(--warmup, 1), wall
 clock around block_until_ready. In the kernels mode the implementations of a row take turns:
 each round times one call of each, in an order that rotates between rounds, so that a drift
 of the device's clock falls on all of them alike; the ratio to cuDNN is the median of the
@@ -43,10 +43,10 @@ Failures: a flag out of range, or given where it cannot take effect (a mode that
 read it, --layout without a causal row), is a usage error (status 2) before any work; what
 only the devices can refute (the strategies mode's --heads and --ulysses_size, --hlo_dir on
 one device, --collectives_in_flight off GPUs) once they are known, before anything compiles.
-When ringflash's
-own implementation (ringflash or xla) fails, the command prints its error and exits with
-status 1; a peer baseline that fails (cuDNN on a CPU) is left out of its rows, its error
-printed and recorded.
+When ringflash's own implementation (ringflash or xla) fails, the command prints its error
+and exits with status 1; a peer baseline that fails (cuDNN on a CPU) is left out of its rows,
+its error printed and recorded, unless nothing else was to run (--impls=cudnn on a CPU: status
+1 too).
 """
 
 from __future__ import annotations
