@@ -192,8 +192,12 @@ def resolve_tiles(given: TpuBlockSizes | None, problem: base.Problem) -> TpuBloc
 
   for name in ("block_q", "block_q_dkv", "block_q_dq"):
     check(name, q_len, sub)
+  # Key tiles: multiples of the lanes (128) where one divides the local length, else of the
+  # sublanes (16 for 2-byte dtypes), else of 8: the multiples the default itself falls back to.
+  k_multiple = next(m for m in (_LANES, sub, 8, 1)
+                    if base.largest_divisor_at_most(kv_len, kv_len, m) is not None)
   for name in ("block_k", "block_k_dkv", "block_k_dq"):
-    check(name, kv_len, _LANES)
+    check(name, kv_len, k_multiple)
   bk = given.block_k if given.block_k is not None else default(kv_len, cap_k, _LANES, sub, 8)
   bq = given.block_q
   if bq is None:

@@ -272,6 +272,10 @@ def test_block_sizes_follow_tpu_tiling():
             device_kind="TPU v5 lite")
   assert resolve(None, 96, 64, **kw) == (96, 64)     # whole short lengths
   assert resolve(None, 16 * 8193, 16 * 8193, **kw)[1] == 16 * 3   # no 128-multiple divides
+  # ... and a user may give what the default would take there (it asked for multiples of 128)
+  assert resolve(ringflash.TpuBlockSizes(32, 16), 256, 16 * 8193, **kw) == (32, 16)
+  with pytest.raises(ValueError, match="block_sizes.block_k=24 .* multiple of 16"):
+    resolve(ringflash.TpuBlockSizes(32, 24), 256, 16 * 8193, **kw)   # bf16: 16 sublanes
   assert resolve(ringflash.TpuBlockSizes(32, 128), 256, 256, **kw) == (32, 128)
   with pytest.raises(ValueError, match="block_sizes.block_k"):
     resolve(ringflash.TpuBlockSizes(32, 64), 256, 256, **kw)          # not a lane multiple
