@@ -41,15 +41,13 @@ def context_mesh() -> tuple[Mesh | None, object]:
   return concrete, abstract
 
 
-def check_context(mesh: Mesh, abstract=None) -> None:
+def check_context(mesh: Mesh) -> None:
   """Under jax.set_mesh a shard_map must run on the context mesh, axis types included.
 
   Raises:
-    ValueError: naming mesh, when it is not the context mesh (`abstract`: that mesh,
-      where the caller has read it).
+    ValueError: naming mesh, when it is not the context mesh.
   """
-  if abstract is None:
-    abstract = jax.sharding.get_abstract_mesh()
+  abstract = jax.sharding.get_abstract_mesh()
   if not abstract.empty and mesh.abstract_mesh != abstract:
     raise ValueError(f"mesh={mesh} is not the context mesh ({abstract}, of jax.set_mesh; "
                      f"axis types count): pass that mesh, or mesh=None to use it")

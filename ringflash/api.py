@@ -185,12 +185,13 @@ def _mesh_and_axes(mesh, axis_name):
     ValueError: naming mesh or axis_name.
   """
   axis_name = _mesh.frozen(axis_name)
-  context, abstract = _mesh.context_mesh()
-  if mesh is None and context is not None:
-    mesh = context
-  elif mesh is None and abstract is not None:
-    raise ValueError(f"mesh=None under an abstract context mesh ({abstract}) with no "
-                     f"devices: pass the mesh (mesh=...)")
+  if mesh is None:
+    context, abstract = _mesh.context_mesh()
+    if context is not None:
+      mesh = context
+    elif abstract is not None:
+      raise ValueError(f"mesh=None under an abstract context mesh ({abstract}) with no "
+                       f"devices: pass the mesh (mesh=...)")
   if mesh is None:
     if not isinstance(axis_name, str):
       raise ValueError(f"mesh=None builds a 1-D mesh; axis_name must then be one name, got "
@@ -198,7 +199,7 @@ def _mesh_and_axes(mesh, axis_name):
     mesh = _default_mesh(axis_name)
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-  _mesh.check_context(mesh, abstract)
+  _mesh.check_context(mesh)
   return mesh, axis_name, _mesh.seq_axes(mesh.shape, axis_name)
 
 

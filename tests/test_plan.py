@@ -176,11 +176,13 @@ def test_out_of_memory_messages_are_parsed(message, memory, needed, available):
 
 
 def test_other_errors_are_not_out_of_memory():
-  assert compiler_memory.parse_out_of_memory("INTERNAL: Mosaic failed to compile TPU kernel") is None
+  assert compiler_memory.parse_out_of_memory(
+      "INTERNAL: Mosaic failed to compile TPU kernel") is None
   assert compiler_memory.parse_out_of_memory("Ran out of memory in memory space host.") is None
   vague = compiler_memory.parse_out_of_memory("Ran out of memory in memory space vmem while ...")
   assert vague.memory == "VMEM" and vague.needed is None
-  assert str(compiler_memory.parse_out_of_memory(_SMEM)) == "SMEM needs 1.13 MiB of 1.00 MiB available"
+  assert (str(compiler_memory.parse_out_of_memory(_SMEM))
+          == "SMEM needs 1.13 MiB of 1.00 MiB available")
 
 
 @needs_libtpu
@@ -219,8 +221,8 @@ def _report(**changes):
   report = {"topology": "v5p:2x2x2", "chips": 8, "devices": 8, "device_kind": "TPU v5",
             "backend": "pallas_tpu", "strategy": "ring", "mode": "train",
             "tokens_per_device": 196608, "block_q": 512, "block_k": 512, "hbm": 95 * 2**30,
-            "arguments": 2**30, "temporaries": 2**30, "outputs": 2**30, "total": 3 * 2**30, "fits": True,
-            "permutes_per_step": [1, 2], "all_gathers": 0, "out_of_memory": None,
+            "arguments": 2**30, "temporaries": 2**30, "outputs": 2**30, "total": 3 * 2**30,
+            "fits": True, "permutes_per_step": [1, 2], "all_gathers": 0, "out_of_memory": None,
             "breakdown": None, "unavoidable": 2 * 2**30}
   return report | changes
 

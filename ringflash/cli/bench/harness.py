@@ -1,8 +1,8 @@
 """The timing harness of `ringflash bench`, shared by its modes (and by scripts/).
 
 Time is wall clock around `jax.block_until_ready`: `seconds` for one call, `time_median`
-for the median of --iters calls after --warmup (at least one), `time_in_turns` for several implementations
-of one computation timed round by round (a drift of the device's clock falls on all of them
+for the median of --iters calls after --warmup (at least one), `time_in_turns` for several
+implementations of one computation timed round by round (a drift of the device's clock falls on all of them
 alike), `ratio_by_round` for the ratio of two implementations from those rounds.
 
 The implementations (`attention_fns`): "ringflash" is `ringflash.ring_attention` with the
