@@ -448,10 +448,12 @@ def test_partial_or_corrupted_checkpoint_is_skipped_and_named(tmp_path, damage):
     for name in glob.glob(os.path.join(step4, "state", "**", "d", "*"), recursive=True):
       os.remove(name)
   elif damage == "truncate_arrays":
-    # TensorStore's read error reaches us wrapped in a plain Exception by orbax.
-    files = glob.glob(os.path.join(step4, "state", "**", "d", "*"), recursive=True)
-    with open(max(files, key=os.path.getsize), "w"):
-      pass
+    # TensorStore's read error reaches us wrapped in a plain Exception by orbax. Every data
+    # file is emptied: which of them a load reads differs from save to save (orbax merges the
+    # per-process OCDBT files into the root's, leaving copies a load may not read).
+    for name in glob.glob(os.path.join(step4, "state", "**", "d", "*"), recursive=True):
+      with open(name, "w"):
+        pass
   else:
     os.remove(os.path.join(step4, "meta", "metadata"))
   # A leftover of an interrupted save of step 6.
