@@ -81,7 +81,8 @@ def test_compiles_with_mosaic_kernels_and_moves_kv_only_by_permute(topology, cau
 
 
 @pytest.mark.parametrize("topology,heads,kv_heads,head_dim", [
-    ("v5p:2x2x2", 8, 2, 64), pytest.param("v5p:2x2x2", 8, 2, 256, marks=pytest.mark.slow),
+    pytest.param("v5p:2x2x2", 8, 2, 64, marks=pytest.mark.slow),
+    pytest.param("v5p:2x2x2", 8, 2, 256, marks=pytest.mark.slow),
     ("v4:2x2x2", 32, 2, 128)])    # GQA group 16 on v4's 16 MiB of VMEM: shorter query tiles
 def test_other_shapes_compile_with_mosaic_kernels(topology, heads, kv_heads, head_dim):
   hlo, _ = _compiled(topology, True, head_dim, heads, kv_heads)
@@ -108,6 +109,7 @@ def test_vocabulary_of_real_models_compiles_with_mosaic_kernels(topology, head_d
     assert f"bf16[{B},{T // 8},{N},{head_dim_v}]" in hlo
 
 
+@pytest.mark.slow
 def test_a_length_past_the_smem_limit_of_per_tile_flags_fits():
   """262,144 tokens per chip, training step on v5p:2x2x2 (GQA 8:2, causal): the per-tile
   flags of earlier kernels ((T / 512)^2 int32, twice) needed 2 MiB of the 1 MiB of SMEM and
@@ -163,6 +165,7 @@ def _schedule(topology: str, per_chip: int, kv_heads: int) -> str:
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", ["v5p:2x2x2"])
 def test_each_ring_step_permute_is_in_flight_around_the_kernel(topology):
   """In every ring loop body (forward and backward) each K/V block's collective-permute-start

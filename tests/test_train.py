@@ -358,6 +358,7 @@ def test_sigkill_between_saves_then_resume_matches_straight_run_bitwise(tmp_path
 # ------------------------------------------------------------------- (b) kill during a save
 
 
+@pytest.mark.slow
 def test_sigkill_during_async_save_leaves_previous_checkpoint(tmp_path):
   proc = subprocess.run(_train_cmd(tmp_path, "--steps", "8", "--save_every", "2",
                                    "--crash_after_save_starts", "4"),
@@ -389,6 +390,7 @@ def test_sigkill_during_async_save_leaves_previous_checkpoint(tmp_path):
 # -------------------------------------------------------------- (c) another ring size
 
 
+@pytest.mark.slow
 def test_checkpoint_from_ring_4_restores_on_rings_2_and_8(tmp_path):
   base = train.Trainer(_config(ring=4, data_parallel=2))
   state = base.init_state()
@@ -707,6 +709,7 @@ def _sigterm_at(command, env, prefix: str, *, timeout: float):
   return proc, "".join(lines)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_step_reached_and_exits_then_resume_continues(tmp_path):
   """SIGTERM mid-run (saves every 100 steps, so none is due): the run saves the step it has
   reached, exits with status 143, and --resume continues from that step."""
