@@ -41,8 +41,10 @@ def context_mesh() -> tuple[Mesh | None, object]:
   return concrete, abstract
 
 
-def check_context(mesh: Mesh) -> None:
+def check_context(mesh: Mesh, remedy: str = "pass that mesh, or mesh=None to use it") -> None:
   """Under jax.set_mesh a shard_map must run on the context mesh, axis types included.
+
+  remedy: what the caller can do instead (callers without mesh=None say so).
 
   Raises:
     ValueError: naming mesh, when it is not the context mesh.
@@ -50,7 +52,7 @@ def check_context(mesh: Mesh) -> None:
   abstract = jax.sharding.get_abstract_mesh()
   if not abstract.empty and mesh.abstract_mesh != abstract:
     raise ValueError(f"mesh={mesh} is not the context mesh ({abstract}, of jax.set_mesh; "
-                     f"axis types count): pass that mesh, or mesh=None to use it")
+                     f"axis types count): {remedy}")
 
 
 def seq_axes(shape, axis_name) -> _validate.SeqAxes:

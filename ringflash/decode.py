@@ -122,16 +122,17 @@ def _clipped_positions(cache_positions):
 
 
 def run(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, *, mesh,
-        options: _Options, batch_axis=False):
+        options: _Options, batch_axis=False, remedy="pass that mesh (mesh=...)"):
   """decode_attention with its options gathered (also what KVCache.attention calls).
 
   batch_axis: the mesh axes the batch is sharded over, when the caller knows them (a
   KVCache does); False: read off key_cache's sharding, as ring_attention does (inside jit
   on a mesh of Auto axes nothing is visible, and the batch is taken as unsharded).
+  remedy: the advice of the error when mesh is not jax.set_mesh's context mesh.
   """
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-  _mesh.check_context(mesh)
+  _mesh.check_context(mesh, remedy)
   _mesh.seq_axes(mesh.shape, options.axis_name)
   if any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(
       (query, key_cache, value_cache, sinks))):
@@ -343,20 +344,22 @@ def _decode(query, key_cache, value_cache, cache_lengths, cache_positions, sinks
     fn = shard_map(local, in_specs=specs)
   args = tuple(_mesh.place(x, mesh, spec) for x, spec in zip(args, specs))
 
+  # Every differentiable input, sinks too, enters here, so a gradient of any of them raises.
   @jax.custom_vjp
-  def attend(*args):
-    return fn(*args)
+  def attend(args, sinks):
+    out, lse = fn(*args)
+    if sinks is not None:
+      out, lse = _inputs.add_sinks(out, lse, sinks)
+    return out, lse
 
-  def attend_fwd(*args):
-    return fn(*args), None
+  def attend_fwd(args, sinks):
+    return attend(args, sinks), None
 
   def attend_bwd(res, cotangents):
     del res, cotangents
     raise NotImplementedError(_FORWARD_ONLY)
 
   attend.defvjp(attend_fwd, attend_bwd)
-  out, lse = attend(*args)
-  if sinks is not None:
-    out, lse = _inputs.add_sinks(out, lse, sinks)
+  out, lse = attend(args, sinks)
   out = out.astype(call.dtype)
   return (out, lse) if options.return_residual else out

@@ -189,6 +189,7 @@ class KVCache:
       if shape != (b,) or not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(f"lengths must be a [B] = ({b},) integer array, got {shape} {dtype}")
       lengths = _validate.int32_clipped(lengths, 0, t)
+    _mesh.check_context(self.mesh, _CONTEXT_REMEDY)
     fn = _prefill_program(self.mesh, self.axis_name, self.batch_axis, layout, t, padded)
     return fn(self, k, v, lengths)
 
@@ -225,6 +226,7 @@ class KVCache:
       if most + t > self.max_len:
         raise ValueError(f"appending t={t} tokens overflows the cache: a row has {most} of "
                          f"its max_len={self.max_len} slots filled")
+    _mesh.check_context(self.mesh, _CONTEXT_REMEDY)
     fn = _append_program(self.mesh, self.axis_name, self.batch_axis)
     return fn(self, k_new, v_new)
 
@@ -245,7 +247,13 @@ class KVCache:
         backend=backend, block_sizes=block_sizes, return_residual=return_residual,
         strategy=strategy, guarded=True)
     return decode.run(query, self.k, self.v, self.lengths, self.positions, sinks,
-                      mesh=self.mesh, options=options, batch_axis=self.batch_axis)
+                      mesh=self.mesh, options=options, batch_axis=self.batch_axis,
+                      remedy=_CONTEXT_REMEDY)
+
+
+# Under jax.set_mesh of another mesh: the cache's own mesh is the one named.
+_CONTEXT_REMEDY = ("that is the cache's mesh; create the cache on the context mesh "
+                   "(KVCache.create(..., mesh=...)) or use it outside jax.set_mesh")
 
 
 def _ring_size(mesh: Mesh, axis_name) -> int:

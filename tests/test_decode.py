@@ -517,13 +517,22 @@ def test_decoding_is_forward_only():
   q, key, v = _inputs(12, 1, 1, 16, 2, 1, 8)
   lengths = jnp.array([9])
 
-  def f(q):
-    return jnp.sum(ringflash.decode_attention(q, key, v, cache_lengths=lengths, mesh=mesh))
+  sinks = jnp.array([0.1, 0.2])
+
+  def f(q, sinks=None):
+    return jnp.sum(ringflash.decode_attention(q, key, v, cache_lengths=lengths, mesh=mesh,
+                                              sinks=sinks))
 
   with pytest.raises(NotImplementedError, match="forward only"):
     jax.grad(f)(q)
   with pytest.raises(NotImplementedError, match="forward only"):
     jax.jvp(f, (q,), (q,))
+  # The sinks are differentiable inputs too (they were added outside the guarded program).
+  for grad in (jax.grad, lambda fn, **kw: jax.jit(jax.grad(fn, **kw))):
+    with pytest.raises(NotImplementedError, match="forward only"):
+      grad(f, argnums=1)(q, sinks)
+  with pytest.raises(NotImplementedError, match="forward only"):
+    jax.jvp(lambda s: f(q, s), (sinks,), (sinks,))
 
 
 # --------------------------------------------------------------------------------- bench

@@ -282,11 +282,20 @@ def test_mesh_none_takes_the_context_mesh_and_another_mesh_there_is_named():
                                rtol=1e-6, atol=1e-6)
     for other in (auto, jax.make_mesh((4,), ("sp",), devices=jax.devices()[:4],
                                       axis_types=(jax.sharding.AxisType.Explicit,))):
-      with pytest.raises(ValueError, match="mesh=.* is not the context mesh"):
+      with pytest.raises(ValueError, match="mesh=.* is not the context mesh.*or mesh=None"):
         ringflash.ring_attention(q, k, v, mesh=other)
-    with pytest.raises(ValueError, match="mesh=.* is not the context mesh"):
+    # decode_attention takes no mesh=None, and a cache has no mesh argument: the advice says
+    # what each caller can do (it told both to pass mesh=None).
+    with pytest.raises(ValueError, match=r"is not the context mesh .*: pass that mesh \(mesh="):
       ringflash.decode_attention(q[:, :1], k, v, cache_lengths=jnp.full((B,), T, jnp.int32),
                                  mesh=auto)
+  cache = ringflash.KVCache.create(B, T, K, H, mesh=auto, dtype=jnp.float32)
+  with jax.set_mesh(mesh):
+    for use in (lambda: cache.prefill(k, v), lambda: cache.append(k[:, :1], v[:, :1]),
+                lambda: cache.attention(q[:, :1])):
+      with pytest.raises(ValueError, match="is not the context mesh .*: that is the cache's "
+                                           "mesh; create the cache on the context mesh"):
+        use()
 
 
 def test_second_derivatives_run_on_xla_and_name_the_pallas_backend_that_has_none():
