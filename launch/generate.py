@@ -24,7 +24,7 @@ Prints, e.g.:
   generate: answers to 128 queries: accuracy 0.641 (chance 0.125); equal to the
     teacher-forced argmax at 128 of 128
 and ends with status 1 if any decoded prediction differs from the teacher-forced argmax by
-more than a near tie. Every flag is checked before any device is touched (ringflash.cli's
+more than a near tie, or any prediction comes from logits that are not all finite. Every flag is checked before any device is touched (ringflash.cli's
 contract: a mistake is one line naming the flag, and status 2), and so is every field of the
 checkpoint's metadata that is read here; what only the backend can refute (--backend=pallas_gpu
 on CPU devices) is found by tracing the prefill and one decode step on abstract inputs, before
@@ -154,7 +154,10 @@ def job_from_flags(values: flags.FlagValues = FLAGS) -> Job:
   # default of --data_seed) and data.next_step (checked against the restored step).
   try:
     task = data.TaskConfig(**meta["run"]["task"])
-    model.ModelConfig(**meta["run"]["model"])
+    mcfg = model.ModelConfig(**meta["run"]["model"])
+    if mcfg.vocab_size != task.vocab_size:        # train builds the model on the task's ids
+      raise ValueError(f"run.model.vocab_size={mcfg.vocab_size} is not the task's "
+                       f"{task.vocab_size} token ids")
     stream = meta["data"]
     if not isinstance(stream, dict):
       raise ValueError(f"data must be an object, got {stream!r}")
@@ -204,6 +207,8 @@ class Result:
     mismatches: decoded positions that differ from the teacher by more than a near tie.
     near_ties: decoded positions that differ within a near tie.
     slots: the capacity of each cache (cache_slots), over the ring.
+    nonfinite: predictions (decoded or teacher-forced) whose logits were not all finite
+      (marked -2 in decoded, -3 in teacher: never equal, so also counted as mismatches).
   """
 
   decoded: object
@@ -217,6 +222,19 @@ class Result:
   answers_equal: int
   steps_per_second: float
   slots: int
+  nonfinite: int
+
+
+# A prediction from logits with a NaN or an infinity: argmax would read a NaN as any id (0
+# on both sides), and a model that gives NaN would pass as equal to its teacher.
+_NONFINITE, _NONFINITE_TEACHER = -2, -3
+
+
+def _choose(logits):
+  """Greedy ids from [..., V] logits; _NONFINITE where a row is not all finite."""
+  import jax.numpy as jnp                         # pylint: disable=g-import-not-at-top
+  return jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), jnp.argmax(logits, axis=-1),
+                   _NONFINITE)
 
 
 def run(job: Job, log=print) -> Result:
@@ -265,13 +283,13 @@ def run(job: Job, log=print) -> Result:
     def prefill(p, tok, pos):
       logits, kvs = model.forward(p, tok, pos, mcfg, mesh, backend=job.backend,
                                   return_kv=True)
-      chosen = jax.reshard(jnp.argmax(logits, axis=-1), P(model.DATA_AXIS, None))
+      chosen = jax.reshard(_choose(logits), P(model.DATA_AXIS, None))
       return chosen[:, -1], kvs                   # [B, T0] sequence-sharded: gathered first
 
     @functools.partial(jax.jit, donate_argnums=1)
     def step(p, c, tok):
       logits, c = model.decode_step(p, tok, c, mcfg, backend=job.backend)
-      return jnp.argmax(logits[:, 0], axis=-1), c
+      return _choose(logits[:, 0]), c
 
     # What the backend refuses (a kernel for another platform, a shape it cannot tile) is
     # found by tracing, as train.main does with Trainer.check_shapes: nothing is compiled.
@@ -339,7 +357,9 @@ def run(job: Job, log=print) -> Result:
   margin = np.full((b, l_in), np.inf, np.float32)
   teacher = np.full((b, l_in), -1, np.int64)
   margin[:, t0 - 1:] = (top2[..., 1] - top2[..., 0])[:, t0 - 1:]
-  teacher[:, t0 - 1:] = np.argmax(logits, axis=-1)[:, t0 - 1:]
+  teacher[:, t0 - 1:] = np.where(np.all(np.isfinite(logits), axis=-1),
+                                 np.argmax(logits, axis=-1), _NONFINITE_TEACHER)[:, t0 - 1:]
+  nonfinite = int(np.sum(decoded == _NONFINITE) + np.sum(teacher == _NONFINITE_TEACHER))
   differ = decoded != teacher
   tie = margin < job.tie_tolerance
   answers = np.nonzero(host.weights[:, :t_seq] * (np.arange(t_seq) >= t0 - 1) > 0)
@@ -349,13 +369,13 @@ def run(job: Job, log=print) -> Result:
                   accuracy=accuracy, generated=decoded[:, t_seq - 1:t_seq - 1 + job.new_tokens],
                   mismatches=int(np.sum(differ & ~tie)), near_ties=int(np.sum(differ & tie)),
                   answers_equal=int(np.sum(~differ[answers])), steps_per_second=rate,
-                  slots=slots)
+                  slots=slots, nonfinite=nonfinite)
   log(f"generate: answers to {got.size} queries: accuracy {accuracy:.3f} (chance "
       f"{task.chance:.3f}); equal to the teacher-forced argmax at {result.answers_equal} of "
       f"{got.size}")
   log(f"generate: {b * (l_in - t0 + 1)} decoded predictions ({rate:.1f} decode steps/s): "
       f"{result.mismatches} differ from the teacher-forced argmax, {result.near_ties} near "
-      f"tie(s) within {job.tie_tolerance:g} differ")
+      f"tie(s) within {job.tie_tolerance:g} differ; {nonfinite} from non-finite logits")
   for row in range(b):
     log(f"generate: row {row} continues with {result.generated[row].tolist()}")
   return result
@@ -380,6 +400,10 @@ def main(argv) -> None:
   except checkpointing.NoUsableCheckpointError as err:
     print(f"ringflash generate: {err}; nothing to decode with: give a --checkpoint_dir "
           f"that holds a usable one", file=sys.stderr, flush=True)
+    sys.exit(1)
+  if result.nonfinite:
+    print(f"ringflash generate: FAILED: {result.nonfinite} prediction(s) from logits that are "
+          f"not all finite (NaN or infinity)", file=sys.stderr, flush=True)
     sys.exit(1)
   if result.mismatches:
     print(f"ringflash generate: FAILED: {result.mismatches} decoded prediction(s) differ from "

@@ -63,6 +63,13 @@ class ModelConfig:
     if (self.d_model // self.num_heads) % 2:
       raise ValueError(f"d_model={self.d_model} / num_heads={self.num_heads} = "
                        f"{self.d_model // self.num_heads} (head_dim) must be even for RoPE")
+    for name in ("rope_base", "dropout"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(
+          value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if not self.rope_base > 0:      # 0 or less: NaN and inf angles, every logit NaN
+      raise ValueError(f"rope_base must be > 0, got {self.rope_base!r}")
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 

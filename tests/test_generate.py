@@ -101,6 +101,28 @@ def test_generate_answers_equal_the_teacher_forced_argmax(checkpoint):
   assert result.slots == 512
 
 
+def test_predictions_from_nonfinite_logits_are_counted_not_equal(checkpoint, monkeypatch):
+  """Logits of NaN on both sides: argmax read them as id 0 on both, so a model that gave
+  NaN everywhere passed as equal to its teacher. Each is now marked and counted (and so is
+  a mismatch), and the command fails on them."""
+  forward, decode_step = model.forward, model.decode_step
+
+  def nan_forward(*args, **kwargs):
+    out = forward(*args, **kwargs)
+    return (out[0] * jnp.nan, out[1]) if kwargs.get("return_kv") else out * jnp.nan
+
+  def nan_decode_step(*args, **kwargs):
+    logits, caches = decode_step(*args, **kwargs)
+    return logits * jnp.nan, caches
+
+  monkeypatch.setattr(model, "forward", nan_forward)
+  monkeypatch.setattr(model, "decode_step", nan_decode_step)
+  result = generate.run(_job(checkpoint, "--new_tokens=2"), log=lambda _: None)
+  assert (result.decoded[:, 63:] == -2).all() and (result.teacher[:, 63:] == -3).all()
+  assert result.nonfinite == 2 * 2 * (128 + 1 - 63) and result.mismatches == 2 * (128 + 1 - 63)
+  assert result.answers_equal == 0
+
+
 def test_cache_slots_are_whole_tiles_of_128_per_device():
   assert generate.cache_slots(4103, 4) == 4608          # the default run: 1152 per device
   assert generate.cache_slots(512, 4) == 512
@@ -134,6 +156,13 @@ def test_generate_takes_its_own_batch_and_mesh(checkpoint, tmp_path):
     (lambda meta: meta["data"].pop("seed"), "(KeyError: 'seed')"),
     (lambda meta: meta["data"].update(next_step="1"), "data.next_step must be an integer >= 0"),
     (lambda meta: meta["run"].update(task=3), "argument after ** must be a mapping"),
+    # rope_base was unchecked: "abc" was a traceback, 0 made every logit NaN
+    (lambda meta: meta["run"]["model"].update(rope_base="abc"),
+     "rope_base must be a finite number, got 'abc'"),
+    (lambda meta: meta["run"]["model"].update(rope_base=0), "rope_base must be > 0, got 0"),
+    # a task of more token ids than the model's embedding rows: ids past it embedded as 0
+    (lambda meta: meta["run"]["task"].update(num_fillers=20),
+     "run.model.vocab_size=60 is not the task's 64 token ids"),
 ])
 def test_metadata_generate_cannot_read_is_one_line(checkpoint, tmp_path, edit, message):
   from ringflash.cli import UsageError
