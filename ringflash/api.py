@@ -135,6 +135,7 @@ def explain(query, key, value, *, mesh: Mesh | None = None, axis_name="sp", **op
   mesh, axis_name, axes = _mesh_and_axes(mesh, axis_name)
   device = mesh.devices.flat[0]
   block_sizes = options.pop("block_sizes", None)
+  _validate.check_segment_values(options.get("segment_ids"))
   call = _validate.check_call(query, key, value, ring_size=axes.size, local=False, pads=True,
                               **options)
   shards = _mesh.check_divisible(call.batch, call.k, mesh,

@@ -216,8 +216,9 @@ def test_lengths_past_int32_mean_every_position_not_a_wrapped_one(backend):
 ])
 def test_segment_ids_outside_int32_are_an_error_naming_them(ids):
   q, key, v = _arrays(t=16, s=16)
-  with pytest.raises(ValueError, match="segment_ids must lie strictly between"):
-    ringflash.ring_attention(q, key, v, mesh=helpers.mesh_of(2), segment_ids=ids)
+  for fn in (ringflash.ring_attention, ringflash.explain):    # explain raises as it would
+    with pytest.raises(ValueError, match="segment_ids must lie strictly between"):
+      fn(q, key, v, mesh=helpers.mesh_of(2), segment_ids=ids)
 
 
 @pytest.mark.parametrize("ring", [2, 4])
