@@ -31,6 +31,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ringflash import _mesh
 from ringflash import _validate
@@ -226,6 +228,10 @@ def _typed_like(x, ref):
   want, have = jax.typeof(ref).sharding, jax.typeof(x).sharding
   if getattr(want, "spec", None) == getattr(have, "spec", None):
     return x
+  if getattr(getattr(want, "mesh", None), "empty", False):
+    # ref is typed on no mesh (a replicated sink under jit, without jax.set_mesh): replicated
+    # on x's mesh is its type there (resharding to a mesh of no axes is refused)
+    want = NamedSharding(have.mesh, P(*(None,) * x.ndim))
   return _mesh.reshard(x, want)
 
 

@@ -142,6 +142,11 @@ def test_explicit_mesh_heads_sharded_sinks_gradient(backend):
     for grads in (grad(*placed, sinks), jax.jit(grad)(*placed, sinks)):
       for got, want in zip(grads, refs):
         assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
+  # Under jit without jax.set_mesh the replicated sinks are typed on no mesh, and resharding
+  # their gradient to that type was refused (JAX: "Reshard should only be used with ... a
+  # non-empty mesh").
+  for got, want in zip(jax.jit(grad)(*placed, sinks), refs):
+    assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
 
 
 def test_repeated_eager_calls_reuse_one_compiled_program(monkeypatch):
