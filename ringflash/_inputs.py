@@ -43,9 +43,20 @@ PAD_Q = np.iinfo(np.int32).max
 PAD_K = np.iinfo(np.int32).min
 
 
-def _rows(x, lead):
-  """x [*lead, *rest] -> [B, *rest] (B = prod(lead), 1 when there is no batch dim)."""
+def _rows(x, lead, order=None):
+  """x [*lead, *rest] -> [B, *rest] (B = prod(lead), 1 when there is no batch dim); order:
+  the leading dims' order of flattening (_mesh.lead_order), None for their own."""
+  if order is not None:
+    x = jnp.transpose(x, order + tuple(range(len(lead), x.ndim)))
   return x.reshape((int(np.prod(lead, dtype=np.int64)) if lead else 1,) + x.shape[len(lead):])
+
+
+def _unrows(x, lead, order=None):
+  """_rows undone: [B, *rest] -> [*lead, *rest]."""
+  if order is None:
+    return x.reshape(lead + x.shape[1:])
+  x = x.reshape(tuple(lead[i] for i in order) + x.shape[1:])
+  return jnp.transpose(x, tuple(np.argsort(order)) + tuple(range(len(lead), x.ndim)))
 
 
 def _pad(x, length: int, axis: int = 1):
@@ -113,7 +124,8 @@ def _fit(x, length: int, rows, axis: int = 1):
 
 
 def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, kv_lengths, *,
-              t_len: int, s_len: int, q_pos=None, k_pos=None, q_rows=None, k_rows=None):
+              t_len: int, s_len: int, q_pos=None, k_pos=None, q_rows=None, k_rows=None,
+              lead_order=None):
   """(q [B, T', N, H], k [B, S', K, H], v [B, S', K, Hv], q_seg [B, T'] | None,
   kv_seg [B, S'] | None) of a checked call.
 
@@ -122,20 +134,24 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
   ring_attention_sharded passes its local lengths. q_pos [T'], k_pos [S']: the natural
   positions of the rows (the layout's; per device under ring_attention_sharded); default
   0..T'-1 and 0..S'-1. q_rows, k_rows: padded_rows' (rows, back) pairs, where a zigzag or
-  striped sequence is padded (None: padding at the end, or none).
+  striped sequence is padded (None: padding at the end, or none). lead_order: the order
+  of flattening the leading dims (_mesh.lead_order; finish puts them back).
   """
-  lead = call.lead
-  q, k, v = (_fit(_rows(x, lead), n, r) for x, n, r in ((query, t_len, q_rows),
-                                                         (key, s_len, k_rows),
-                                                         (value, s_len, k_rows)))
+
+  def flat(x):
+    return _rows(x, call.lead, lead_order)
+
+  q, k, v = (_fit(flat(x), n, r) for x, n, r in ((query, t_len, q_rows),
+                                                 (key, s_len, k_rows),
+                                                 (value, s_len, k_rows)))
   if not (call.masked_by_ids or _validate.padding_needs_ids(call, t_len, s_len)):
     return q, k, v, None, None
   b = q.shape[0]
   if call.segments:
     q_ids, kv_ids = (segment_ids if isinstance(segment_ids, (tuple, list))
                      else (segment_ids, segment_ids))
-    q_ids = _fit(_rows(jnp.asarray(q_ids, jnp.int32), lead), t_len, q_rows)
-    kv_ids = _fit(_rows(jnp.asarray(kv_ids, jnp.int32), lead), s_len, k_rows)
+    q_ids = _fit(flat(jnp.asarray(q_ids, jnp.int32)), t_len, q_rows)
+    kv_ids = _fit(flat(jnp.asarray(kv_ids, jnp.int32)), s_len, k_rows)
   else:
     q_ids = jnp.zeros((b, t_len), jnp.int32)
     kv_ids = jnp.zeros((b, s_len), jnp.int32)
@@ -144,9 +160,11 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
   q_ok = jnp.broadcast_to(q_pos < call.t if t_len > call.t else True, (b, t_len))
   k_ok = jnp.broadcast_to(k_pos < call.s if s_len > call.s else True, (b, s_len))
   if q_lengths is not None:
-    q_ok = q_ok & (q_pos[None, :] < _rows(jnp.asarray(_validate.int32_clipped(q_lengths)), lead)[:, None])
+    q_len = flat(jnp.asarray(_validate.int32_clipped(q_lengths)))
+    q_ok = q_ok & (q_pos[None, :] < q_len[:, None])
   if kv_lengths is not None:
-    k_ok = k_ok & (k_pos[None, :] < _rows(jnp.asarray(_validate.int32_clipped(kv_lengths)), lead)[:, None])
+    kv_len = flat(jnp.asarray(_validate.int32_clipped(kv_lengths)))
+    k_ok = k_ok & (k_pos[None, :] < kv_len[:, None])
   # Inside a caller's shard_map, ids made from replicated lengths alone vary over no mesh
   # axis: typed like the rows they mask, so that the ring can carry them with K and V.
   return (q, k, v, base.match_vma(jnp.where(q_ok, q_ids, PAD_Q).astype(jnp.int32), q),
@@ -238,11 +256,11 @@ def _typed_like(x, ref):
 _sink_rescale.defvjp(_sink_rescale_fwd, _sink_rescale_bwd)
 
 
-def finish(call: _validate.Call, out, lse, sinks, rows=None):
+def finish(call: _validate.Call, out, lse, sinks, rows=None, lead_order=None):
   """The strategy's (out [B, T', N, Hv], lse [B, N, T']) in the user's shapes: sinks added,
   padding trimmed (rows: padded_rows' (rows, back) of the queries, where a zigzag or striped
-  sequence was padded), leading dims restored; (out, lse) or out alone as return_residual
-  says."""
+  sequence was padded), leading dims restored (in the order canonical took, lead_order);
+  (out, lse) or out alone as return_residual says."""
   if sinks is not None:
     out, lse = add_sinks(out, lse, sinks)
   if rows is None:
@@ -250,6 +268,5 @@ def finish(call: _validate.Call, out, lse, sinks, rows=None):
   else:
     taken, back = rows
     out, lse = (regather(x, back, taken, axis=a) for x, a in ((out, 1), (lse, 2)))
-  out = out.reshape(call.lead + out.shape[1:])
-  lse = lse.reshape(call.lead + lse.shape[1:])
+  out, lse = (_unrows(x, call.lead, lead_order) for x in (out, lse))
   return (out, lse) if call.return_residual else out

@@ -114,9 +114,41 @@ def outer_axes(query, mesh: Mesh, axis_name: str):
   mesh with Auto axes nothing is visible: batch and heads are then taken as unsharded over
   the other axes (the compiler reshards to match); use an explicit mesh there, or call
   ring_attention_sharded inside your own shard_map. The ring axis is never taken for batch
-  or heads. Several leading batch dims are flattened into one, major first: their axes
-  together shard it.
+  or heads. Several leading batch dims are flattened into one, the sharded ones first
+  (lead_order), major first: their axes together shard it.
   """
+  entries = _visible_entries(query, mesh, axis_name)
+  if entries is None:
+    return None, None
+
+  def entry_of(axes):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+  batch = tuple(a for e in entries[:-3] for a in e)
+  return entry_of(batch), entry_of(entries[-2])
+
+
+def lead_order(query, mesh: Mesh, axis_name) -> tuple[int, ...] | None:
+  """The order in which query's leading batch dims are flattened into one: those sharded
+  over mesh axes first (in their order), then the rest; None where that is their own order.
+
+  [B1, B2] with only B2 sharded over "data" flattens, in its own order, into a batch whose
+  rows are not split by "data" in blocks (a reshape that Explicit axes refuse, and that
+  Auto axes answer by moving the sharding onto B1); taken as [B2, B1] it is one batch
+  sharded over "data". The rows of a batch are independent, so any order is exact; the
+  output is put back in the user's.
+  """
+  entries = _visible_entries(query, mesh, axis_name)
+  if entries is None or len(entries) < 5:
+    return None
+  lead = entries[:-3]
+  order = tuple(sorted(range(len(lead)), key=lambda i: not lead[i]))
+  return None if order == tuple(range(len(lead))) else order
+
+
+def _visible_entries(query, mesh: Mesh, axis_name):
+  """query's partition spec entries, one per dim, each the tuple of mesh axes other than
+  axis_name's that shard it; None where no sharding is visible (see outer_axes)."""
   spec = None
   sharding = getattr(query, "sharding", None) if not isinstance(query, jax.core.Tracer) else None
   if isinstance(sharding, NamedSharding) and sharding.mesh.shape == mesh.shape:
@@ -131,9 +163,8 @@ def outer_axes(query, mesh: Mesh, axis_name: str):
       spec = typed.spec
   rank = len(getattr(query, "shape", ()))
   if spec is None or rank < 3:
-    return None, None
+    return None
   entries = tuple(spec) + (None,) * (rank - len(tuple(spec)))
-
   seq = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
   def names(entry):
@@ -141,11 +172,7 @@ def outer_axes(query, mesh: Mesh, axis_name: str):
       return ()
     return tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in seq)
 
-  def entry_of(axes):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-  batch = tuple(a for e in entries[:rank - 3] for a in names(e))
-  return entry_of(batch), entry_of(names(entries[rank - 2]))
+  return tuple(names(e) for e in entries)
 
 
 def check_divisible(b: int, k: int, mesh: Mesh, batch, heads) -> tuple[int, int]:

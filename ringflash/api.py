@@ -98,6 +98,7 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
   """
   mesh, axis_name, _ = _mesh_and_axes(mesh, axis_name)
   batch, heads = _mesh.outer_axes(query, mesh, axis_name)
+  order = _mesh.lead_order(query, mesh, axis_name)
   options = _Options(axis_name=axis_name, is_causal=is_causal, scale=scale,
                      return_residual=return_residual, backend=backend,
                      block_sizes=block_sizes, layout=layout,
@@ -108,10 +109,10 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
   arrays = (query, key, value, segment_ids, _validate.int32_clipped(query_seq_lengths),
             _validate.int32_clipped(key_value_seq_lengths), sinks)
   try:
-    fn = _program(mesh, batch, heads, options, _validate.option_types(options))
+    fn = _program(mesh, batch, heads, order, options, _validate.option_types(options))
   except TypeError:       # an unhashable option: no cache; validation names it
     fn = functools.partial(_ring_attention, mesh=mesh, batch=batch, heads=heads,
-                           options=options)
+                           lead_order=order, options=options)
   with _forward_mode_error(query, key, value, sinks):
     return fn(*arrays)
 
@@ -205,7 +206,7 @@ def _mesh_and_axes(mesh, axis_name):
 
 
 @functools.lru_cache(maxsize=64)
-def _program(mesh: Mesh, batch, heads, options: _Options, types):
+def _program(mesh: Mesh, batch, heads, lead_order, options: _Options, types):
   """The jitted program of one set of options on one mesh.
 
   Eager calls with the same options reuse it: jax.jit traces and compiles once per input
@@ -216,7 +217,7 @@ def _program(mesh: Mesh, batch, heads, options: _Options, types):
   """
   del types           # part of the key only
   return jax.jit(functools.partial(_ring_attention, mesh=mesh, batch=batch, heads=heads,
-                                   options=options))
+                                   lead_order=lead_order, options=options))
 
 
 _FORWARD_MODE = ("ringflash attention supports reverse-mode differentiation (jax.grad, "
@@ -242,9 +243,12 @@ def _forward_mode_error(*arrays):
 
 
 def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
-                    key_value_seq_lengths, sinks, *, mesh: Mesh, batch, heads,
+                    key_value_seq_lengths, sinks, *, mesh: Mesh, batch, heads, lead_order,
                     options: _Options):
-  """ring_attention's body: validate, map onto [B, T, N, H], the strategy under shard_map."""
+  """ring_attention's body: validate, map onto [B, T, N, H], the strategy under shard_map.
+
+  batch, heads: the mesh axes sharding them (_mesh.outer_axes); lead_order: the order of
+  flattening several leading dims (_mesh.lead_order)."""
   axis_name = options.axis_name
   axes = _mesh.seq_axes(mesh.shape, axis_name)
   ring_size = axes.size
@@ -270,7 +274,8 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
       k_rows = _inputs.padded_rows(call.layout, ring_size, call.s, k_pos)
   q, k, v, q_seg, kv_seg = _inputs.canonical(
       call, query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths,
-      t_len=t_len, s_len=s_len, q_pos=q_pos, k_pos=k_pos, q_rows=q_rows, k_rows=k_rows)
+      t_len=t_len, s_len=s_len, q_pos=q_pos, k_pos=k_pos, q_rows=q_rows, k_rows=k_rows,
+      lead_order=lead_order)
 
   x_spec = P(batch, axis_name, heads, None)
   seg_spec = P(batch, axis_name)
@@ -295,7 +300,7 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
     # cannot stay split along it (on Explicit axes the slice would be refused).
     out = _mesh.place(out, mesh, P(batch, None, heads, None))
     lse = _mesh.place(lse, mesh, P(batch, heads, None))
-  return _inputs.finish(call, out, lse, sinks, rows=q_rows)
+  return _inputs.finish(call, out, lse, sinks, rows=q_rows, lead_order=lead_order)
 
 
 def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool = False,

@@ -149,6 +149,54 @@ def test_explicit_mesh_heads_sharded_sinks_gradient(backend):
     assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_several_batch_dims_sharded_on_a_later_one(axis_type):
+  """[B1, B2, T, N, H] with only B2 sharded over "data": flattening them in their own order
+  is a reshape Explicit axes refuse (JAX's ShardingTypeError), and on Auto axes the output
+  came back sharded on B1. The sharded dim is now flattened first: output, lse and gradients
+  against the oracle (segment ids and lengths follow the rows), the output sharded as the
+  input was."""
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "sp"),
+              axis_types=(axis_type,) * 2)
+  lead, t, n, h = (3, 2), 32, 2, 16
+  q, key, v, dout = (x.reshape(lead + x.shape[1:])
+                     for x in helpers.inputs(31, 6, t, t, n, n, h, jnp.float32))
+  seg = jnp.asarray(helpers.packed_segments(6, t, seed=4).reshape(lead + (t,)))
+  lengths = jnp.arange(20, 32, 2, dtype=jnp.int32).reshape(lead)
+  spec = P(None, "data", "sp")
+  placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, key, v)]
+
+  def loss(attn, q, k, v):
+    out, lse = attn(q, k, v)
+    return jnp.sum(out * dout), (out, lse)
+
+  def ours(q, k, v):
+    return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=True, segment_ids=seg,
+                                    query_seq_lengths=lengths, return_residual=True)
+
+  def oracle(q, k, v):
+    flat = [x.reshape((6,) + x.shape[2:]) for x in (q, k, v)]
+    out, lse = helpers.oracle.attention(*flat, causal=True, q_seg=seg.reshape(6, t),
+                                        kv_seg=seg.reshape(6, t),
+                                        q_lengths=lengths.reshape(6))
+    return out.reshape(lead + out.shape[1:]), lse.reshape(lead + lse.shape[1:])
+
+  grad = jax.grad(loss, argnums=(1, 2, 3), has_aux=True)
+  want_grads, (want_out, want_lse) = grad(oracle, q, key, v)
+  with jax.set_mesh(mesh):
+    for fn in (grad, jax.jit(grad, static_argnums=0)):
+      got_grads, (out, lse) = fn(ours, *placed)
+      assert helpers.max_err(out, want_out) <= helpers.fp32_tol(want_out)
+      finite = np.isfinite(np.asarray(want_lse))
+      np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+      np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite],
+                                 rtol=1e-5, atol=1e-5)
+      for got, want in zip(got_grads, want_grads):
+        assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
+    out = ringflash.ring_attention(*placed, mesh=mesh, is_causal=True)
+    assert tuple(out.sharding.spec)[:3] == tuple(spec), out.sharding.spec
+
+
 def test_repeated_eager_calls_reuse_one_compiled_program(monkeypatch):
   """The README calls ring_attention eagerly: the same shapes and options trace (and
   compile) once; other options get their own program; the cache of programs is bounded."""
