@@ -24,8 +24,9 @@ Prints, e.g.:
   generate: answers to 128 queries: accuracy 0.641 (chance 0.125); equal to the
     teacher-forced argmax at 128 of 128
 and ends with status 1 if any decoded prediction differs from the teacher-forced argmax by
-more than a near tie, or any prediction comes from logits that are not all finite. Every flag is checked before any device is touched (ringflash.cli's
-contract: a mistake is one line naming the flag, and status 2), and so is every field of the
+more than a near tie, or any prediction comes from logits that are not all finite. Every
+flag is checked before any device is touched (ringflash.cli's contract: a mistake is one
+line naming the flag, and status 2), and so is every field of the
 checkpoint's metadata that is read here; what only the backend can refute (--backend=pallas_gpu
 on CPU devices) is found by tracing the prefill and one decode step on abstract inputs, before
 the checkpoint is restored, and is one line with status 2 too. One process (no launcher).
@@ -336,7 +337,8 @@ def run(job: Job, log=print) -> Result:
     decoded[:, t0 - 1] = np.asarray(jax.device_get(first))
     t_start = time.perf_counter()
     for pos in range(t0, l_in):
-      token = host.tokens[:, pos] if pos < t_seq else decoded[:, pos - 1]
+      # a marked prediction (_NONFINITE) goes on as id 0: the run fails on it anyway
+      token = host.tokens[:, pos] if pos < t_seq else np.maximum(decoded[:, pos - 1], 0)
       chosen, caches = step(params, caches,
                             jax.device_put(np.asarray(token, np.int32)[:, None], step_spec))
       decoded[:, pos] = np.asarray(jax.device_get(chosen))
@@ -344,7 +346,8 @@ def run(job: Job, log=print) -> Result:
 
     # The teacher-forced pass: the sequence and the generated tokens, padded at the end to a
     # length the ring divides (causal: padding changes no earlier logit).
-    full = np.concatenate([host.tokens, decoded[:, t_seq - 1:l_in - 1]], axis=1)
+    full = np.concatenate([host.tokens, np.maximum(decoded[:, t_seq - 1:l_in - 1], 0)],
+                          axis=1)
     padded = -(-l_in // job.ring) * job.ring
     full = np.pad(full, ((0, 0), (0, padded - l_in))).astype(np.int32)
     positions = np.broadcast_to(np.arange(padded, dtype=np.int32), full.shape).copy()
@@ -361,7 +364,9 @@ def run(job: Job, log=print) -> Result:
                                  np.argmax(logits, axis=-1), _NONFINITE_TEACHER)[:, t0 - 1:]
   nonfinite = int(np.sum(decoded == _NONFINITE) + np.sum(teacher == _NONFINITE_TEACHER))
   differ = decoded != teacher
-  tie = margin < job.tie_tolerance
+  # a marked prediction is never a near tie (a margin of finite top two can be small)
+  tie = ((margin < job.tie_tolerance) & (decoded != _NONFINITE)
+         & (teacher != _NONFINITE_TEACHER))
   answers = np.nonzero(host.weights[:, :t_seq] * (np.arange(t_seq) >= t0 - 1) > 0)
   got = decoded[answers]
   accuracy = float(np.mean(got == host.targets[answers])) if got.size else float("nan")

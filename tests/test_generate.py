@@ -123,6 +123,26 @@ def test_predictions_from_nonfinite_logits_are_counted_not_equal(checkpoint, mon
   assert result.answers_equal == 0
 
 
+def test_a_teacher_logit_of_minus_infinity_is_marked_and_never_a_near_tie(checkpoint,
+                                                                          monkeypatch):
+  """-inf in one id of the teacher-forced logits only (below the top two, whose margin stays
+  finite): each such position is marked, counted and a mismatch, never a near tie, even with
+  a tie tolerance that takes every margin."""
+  forward = model.forward
+
+  def forward_with_minus_inf(*args, **kwargs):
+    out = forward(*args, **kwargs)
+    return out if kwargs.get("return_kv") else out.at[..., -1].set(-jnp.inf)
+
+  monkeypatch.setattr(model, "forward", forward_with_minus_inf)
+  result = generate.run(_job(checkpoint, "--new_tokens=2", "--tie_tolerance=1e30"),
+                        log=lambda _: None)
+  positions = 2 * (128 + 1 - 63)
+  assert (result.decoded[:, 63:] >= 0).all() and (result.teacher[:, 63:] == -3).all()
+  assert result.nonfinite == positions and result.mismatches == positions
+  assert result.near_ties == 0
+
+
 def test_cache_slots_are_whole_tiles_of_128_per_device():
   assert generate.cache_slots(4103, 4) == 4608          # the default run: 1152 per device
   assert generate.cache_slots(512, 4) == 512
