@@ -249,6 +249,8 @@ def _typed_like(x, ref):
   if getattr(getattr(want, "mesh", None), "empty", False):
     # ref is typed on no mesh (a replicated sink under jit, without jax.set_mesh): replicated
     # on x's mesh is its type there (resharding to a mesh of no axes is refused)
+    if getattr(getattr(have, "mesh", None), "empty", True):
+      return x
     want = NamedSharding(have.mesh, P(*(None,) * x.ndim))
   return _mesh.reshard(x, want)
 

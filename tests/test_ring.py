@@ -150,20 +150,30 @@ def test_explicit_mesh_heads_sharded_sinks_gradient(backend):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
-def test_several_batch_dims_sharded_on_a_later_one(axis_type):
+@pytest.mark.parametrize("lead,spec", [
+    ((3, 2), P(None, "data", "sp")),                        # order (1, 0)
+    ((2, 3, 2), P(None, None, "data", "sp")),               # order (2, 0, 1): not its inverse
+    ((2, 3, 2), P("data", None, "model", "sp")),            # two sharded, one between
+])
+def test_several_batch_dims_sharded_on_a_later_one(axis_type, lead, spec):
   """[B1, B2, T, N, H] with only B2 sharded over "data": flattening them in their own order
   is a reshape Explicit axes refuse (JAX's ShardingTypeError), and on Auto axes the output
-  came back sharded on B1. The sharded dim is now flattened first: output, lse and gradients
-  against the oracle (segment ids and lengths follow the rows), the output sharded as the
-  input was."""
-  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "sp"),
-              axis_types=(axis_type,) * 2)
-  lead, t, n, h = (3, 2), 32, 2, 16
+  came back sharded on B1. The sharded dims are now flattened first: output, lse and
+  gradients against the oracle (segment ids and lengths follow the rows), the output
+  sharded as the input was. On Auto axes a trace shows no sharding, so there the eager call
+  is the case that flattens in another order; it is checked against the oracle too."""
+  seq = spec[len(lead)]
+  mesh_axes = ("data", "model", "sp") if "model" in tuple(spec) else ("data", "sp")
+  shape = (2, 2, 2) if len(mesh_axes) == 3 else (2, 4)
+  mesh = Mesh(np.array(jax.devices()).reshape(shape), mesh_axes,
+              axis_types=(axis_type,) * len(mesh_axes))
+  rows = int(np.prod(lead))
+  t, n, h = 32, 2, 16
   q, key, v, dout = (x.reshape(lead + x.shape[1:])
-                     for x in helpers.inputs(31, 6, t, t, n, n, h, jnp.float32))
-  seg = jnp.asarray(helpers.packed_segments(6, t, seed=4).reshape(lead + (t,)))
-  lengths = jnp.arange(20, 32, 2, dtype=jnp.int32).reshape(lead)
-  spec = P(None, "data", "sp")
+                     for x in helpers.inputs(31, rows, t, t, n, n, h, jnp.float32))
+  seg = jnp.asarray(helpers.packed_segments(rows, t, seed=4).reshape(lead + (t,)))
+  lengths = jnp.asarray(np.random.default_rng(5).integers(1, t + 1, rows), jnp.int32
+                        ).reshape(lead)
   placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, key, v)]
 
   def loss(attn, q, k, v):
@@ -171,30 +181,35 @@ def test_several_batch_dims_sharded_on_a_later_one(axis_type):
     return jnp.sum(out * dout), (out, lse)
 
   def ours(q, k, v):
-    return ringflash.ring_attention(q, k, v, mesh=mesh, is_causal=True, segment_ids=seg,
-                                    query_seq_lengths=lengths, return_residual=True)
+    return ringflash.ring_attention(q, k, v, mesh=mesh, axis_name=seq, is_causal=True,
+                                    segment_ids=seg, query_seq_lengths=lengths,
+                                    return_residual=True)
 
   def oracle(q, k, v):
-    flat = [x.reshape((6,) + x.shape[2:]) for x in (q, k, v)]
-    out, lse = helpers.oracle.attention(*flat, causal=True, q_seg=seg.reshape(6, t),
-                                        kv_seg=seg.reshape(6, t),
-                                        q_lengths=lengths.reshape(6))
+    flat = [x.reshape((rows,) + x.shape[len(lead):]) for x in (q, k, v)]
+    out, lse = helpers.oracle.attention(*flat, causal=True, q_seg=seg.reshape(rows, t),
+                                        kv_seg=seg.reshape(rows, t),
+                                        q_lengths=lengths.reshape(rows))
     return out.reshape(lead + out.shape[1:]), lse.reshape(lead + lse.shape[1:])
+
+  def check(out, lse):
+    assert helpers.max_err(out, want_out) <= helpers.fp32_tol(want_out)
+    finite = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite],
+                               rtol=1e-5, atol=1e-5)
 
   grad = jax.grad(loss, argnums=(1, 2, 3), has_aux=True)
   want_grads, (want_out, want_lse) = grad(oracle, q, key, v)
   with jax.set_mesh(mesh):
     for fn in (grad, jax.jit(grad, static_argnums=0)):
       got_grads, (out, lse) = fn(ours, *placed)
-      assert helpers.max_err(out, want_out) <= helpers.fp32_tol(want_out)
-      finite = np.isfinite(np.asarray(want_lse))
-      np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
-      np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite],
-                                 rtol=1e-5, atol=1e-5)
+      check(out, lse)
       for got, want in zip(got_grads, want_grads):
         assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
-    out = ringflash.ring_attention(*placed, mesh=mesh, is_causal=True)
-    assert tuple(out.sharding.spec)[:3] == tuple(spec), out.sharding.spec
+    out, lse = ours(*placed)
+    check(out, lse)
+    assert tuple(out.sharding.spec)[:len(lead) + 1] == tuple(spec), out.sharding.spec
 
 
 def test_repeated_eager_calls_reuse_one_compiled_program(monkeypatch):
