@@ -51,6 +51,34 @@ def _rows(x, lead, order=None):
   return x.reshape((int(np.prod(lead, dtype=np.int64)) if lead else 1,) + x.shape[len(lead):])
 
 
+def _rows_like(x, lead, order, like):
+  """_rows(x, lead, order), its batch sharded as `like`'s (the query's rows) where x is typed
+  on a mesh with Explicit axes. There a reshape that merges dims sharded otherwise than the
+  query's (keys sharded over "data" on B2 where the query is not, say) is refused by JAX;
+  given the query's batch sharding as its out_sharding it runs (resharding where it must),
+  and the strategy gets every input's rows sharded alike. x's other dims keep their axes,
+  less those the batch takes."""
+  want, have = jax.typeof(like).sharding, jax.typeof(x).sharding
+  mesh = getattr(have, "mesh", None)
+  if (len(lead) < 2 or getattr(mesh, "empty", True)
+      or getattr(getattr(want, "mesh", None), "axis_names", None) != mesh.axis_names
+      or not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)):
+    return _rows(x, lead, order)
+  batch = tuple(want.spec)[0] if tuple(want.spec) else None
+  taken = {batch} if isinstance(batch, str) else set(batch or ())
+
+  def kept(entry):
+    axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in taken)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+  rest = tuple(have.spec) + (None,) * (x.ndim - len(tuple(have.spec)))
+  if order is not None:
+    x = jnp.transpose(x, order + tuple(range(len(lead), x.ndim)))
+  shape = (int(np.prod(lead, dtype=np.int64)),) + x.shape[len(lead):]
+  spec = P(batch, *(kept(e) for e in rest[len(lead):]))
+  return jax.lax.reshape(x, shape, out_sharding=NamedSharding(mesh, spec))
+
+
 def _unrows(x, lead, order=None):
   """_rows undone: [B, *rest] -> [*lead, *rest]."""
   if order is None:
@@ -138,12 +166,14 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
   of flattening the leading dims (_mesh.lead_order; finish puts them back).
   """
 
-  def flat(x):
-    return _rows(x, call.lead, lead_order)
+  rows = _rows(query, call.lead, lead_order)
 
-  q, k, v = (_fit(flat(x), n, r) for x, n, r in ((query, t_len, q_rows),
-                                                 (key, s_len, k_rows),
-                                                 (value, s_len, k_rows)))
+  def flat(x):
+    return _rows_like(x, call.lead, lead_order, rows)
+
+  q, k, v = (_fit(x, n, r) for x, n, r in ((rows, t_len, q_rows),
+                                           (flat(key), s_len, k_rows),
+                                           (flat(value), s_len, k_rows)))
   if not (call.masked_by_ids or _validate.padding_needs_ids(call, t_len, s_len)):
     return q, k, v, None, None
   b = q.shape[0]

@@ -212,6 +212,61 @@ def test_several_batch_dims_sharded_on_a_later_one(axis_type, lead, spec):
     assert tuple(out.sharding.spec)[:len(lead) + 1] == tuple(spec), out.sharding.spec
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize("q_spec,kv_spec", [
+    (P(None, None, "sp"), P(None, "data", "sp")),           # keys sharded where q is not
+    (P(None, "data", "sp"), P("data", None, "sp")),         # over the same axis, another dim
+])
+def test_batch_dims_of_keys_sharded_unlike_the_query(axis_type, q_spec, kv_spec):
+  """[B1, B2, T, N, H] whose keys, values, key segment ids and key lengths are sharded on
+  their batch dims unlike the query: flattening them was a reshape Explicit axes refuse
+  (JAX's ShardingTypeError, eager and under jit). They are now flattened into the query's
+  batch sharding. Output, lse and gradients against the oracle, eager and under jit."""
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "sp"),
+              axis_types=(axis_type,) * 2)
+  lead, t, n, h = (2, 2), 32, 2, 16
+  rows = int(np.prod(lead))
+  q, key, v, dout = (x.reshape(lead + x.shape[1:])
+                     for x in helpers.inputs(37, rows, t, t, n, n, h, jnp.float32))
+  q_seg = np.asarray(helpers.packed_segments(rows, t, seed=6))
+  kv_seg = np.where(np.arange(t) % 5 == 0, q_seg + 1, q_seg)   # some keys of no query's
+  kv_len = np.random.default_rng(7).integers(1, t + 1, rows).astype(np.int32)
+  on = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+  placed_q = on(q, q_spec)
+  placed_kv = [on(x, kv_spec) for x in (key, v)]
+  seg = (on(q_seg.reshape(lead + (t,)), P(*tuple(q_spec)[:3])),
+         on(kv_seg.reshape(lead + (t,)), P(*tuple(kv_spec)[:3])))
+  lengths = on(kv_len.reshape(lead), P(*tuple(kv_spec)[:2]))
+
+  def loss(attn, q, k, v):
+    out, lse = attn(q, k, v)
+    return jnp.sum(out * dout), (out, lse)
+
+  def ours(q, k, v):
+    return ringflash.ring_attention(q, k, v, mesh=mesh, axis_name="sp", is_causal=True,
+                                    segment_ids=seg, key_value_seq_lengths=lengths,
+                                    return_residual=True)
+
+  def oracle(q, k, v):
+    flat = [x.reshape((rows,) + x.shape[len(lead):]) for x in (q, k, v)]
+    out, lse = helpers.oracle.attention(*flat, causal=True, q_seg=q_seg, kv_seg=kv_seg,
+                                        kv_lengths=kv_len)
+    return out.reshape(lead + out.shape[1:]), lse.reshape(lead + lse.shape[1:])
+
+  grad = jax.grad(loss, argnums=(1, 2, 3), has_aux=True)
+  want_grads, (want_out, want_lse) = grad(oracle, q, key, v)
+  finite = np.isfinite(np.asarray(want_lse))
+  with jax.set_mesh(mesh):
+    for fn in (grad, jax.jit(grad, static_argnums=0)):
+      got_grads, (out, lse) = fn(ours, placed_q, *placed_kv)
+      assert helpers.max_err(out, want_out) <= helpers.fp32_tol(want_out)
+      np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+      np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite],
+                                 rtol=1e-5, atol=1e-5)
+      for got, want in zip(got_grads, want_grads):
+        assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
+
+
 def test_repeated_eager_calls_reuse_one_compiled_program(monkeypatch):
   """The README calls ring_attention eagerly: the same shapes and options trace (and
   compile) once; other options get their own program; the cache of programs is bounded."""
