@@ -290,6 +290,36 @@ def test_repeated_eager_calls_reuse_one_compiled_program(monkeypatch):
   assert api._program.cache_info().maxsize == 64   # pylint: disable=protected-access
 
 
+def test_sharded_entry_in_a_shard_map_manual_over_the_ring_alone():
+  """A shard_map manual over "sp" alone on Explicit axes: local arrays whose batch stays
+  sharded over the Explicit "data" axis failed inside the kernels with JAX's own errors
+  (cond branches of unequal types on xla, a sharded ref on pallas_tpu). Now a
+  NotImplementedError names the array and the axis; with the batch replicated there the
+  call runs, against the oracle."""
+  mesh = jax.make_mesh((2, 4), ("data", "sp"), axis_types=(AxisType.Explicit,) * 2)
+  q, key, v, _ = helpers.inputs(41, 2, 32, 32, 2, 2, 16, jnp.float32)
+  want = helpers.oracle.attention(q, key, v, causal=True)[0]
+
+  def call(q_spec, kv_spec, backend="xla"):
+    fn = jax.shard_map(
+        lambda a, b, c: ringflash.ring_attention_sharded(a, b, c, axis_name="sp",
+                                                         is_causal=True, backend=backend),
+        in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"), axis_names={"sp"},
+        check_vma=backend == "xla")
+    with jax.set_mesh(mesh):
+      args = [jax.device_put(x, NamedSharding(mesh, spec))
+              for x, spec in ((q, q_spec), (key, kv_spec), (v, kv_spec))]
+      return jax.jit(fn)(*args)
+
+  out = call(P(None, "sp"), P(None, "sp"))
+  assert helpers.max_err(out, want) <= helpers.fp32_tol(want)
+  for backend in ("xla", "pallas_tpu"):
+    with pytest.raises(NotImplementedError, match="query is sharded over mesh axis 'data'"):
+      call(P("data", "sp"), P("data", "sp"), backend)
+  with pytest.raises(NotImplementedError, match="key is sharded over mesh axis 'data'"):
+    call(P(None, "sp"), P(None, "sp", "data"))
+
+
 def test_sharded_entry_on_interpreted_pallas_tpu_says_what_to_set():
   """Pallas interpret mode (CPU devices) cannot run under shard_map's mesh-axis typing: a
   ringflash error naming check_vma, not a JAX-internal one; with it off, the call works."""
