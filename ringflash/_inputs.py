@@ -61,10 +61,11 @@ def _rows_like(x, lead, order, like):
   want, have = jax.typeof(like).sharding, jax.typeof(x).sharding
   mesh = getattr(have, "mesh", None)
   if (len(lead) < 2 or getattr(mesh, "empty", True)
-      or getattr(getattr(want, "mesh", None), "axis_names", None) != mesh.axis_names
       or not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)):
     return _rows(x, lead, order)
-  batch = tuple(want.spec)[0] if tuple(want.spec) else None
+  # A query on no mesh (a NumPy array) has its rows replicated: so have x's.
+  same = getattr(getattr(want, "mesh", None), "axis_names", None) == mesh.axis_names
+  batch = tuple(want.spec)[0] if same and tuple(want.spec) else None
   taken = {batch} if isinstance(batch, str) else set(batch or ())
 
   def kept(entry):

@@ -216,12 +216,13 @@ def test_several_batch_dims_sharded_on_a_later_one(axis_type, lead, spec):
 @pytest.mark.parametrize("q_spec,kv_spec", [
     (P(None, None, "sp"), P(None, "data", "sp")),           # keys sharded where q is not
     (P(None, "data", "sp"), P("data", None, "sp")),         # over the same axis, another dim
+    (None, P(None, "data", "sp")),                          # the query a NumPy array
 ])
 def test_batch_dims_of_keys_sharded_unlike_the_query(axis_type, q_spec, kv_spec):
   """[B1, B2, T, N, H] whose keys, values, key segment ids and key lengths are sharded on
-  their batch dims unlike the query: flattening them was a reshape Explicit axes refuse
-  (JAX's ShardingTypeError, eager and under jit). They are now flattened into the query's
-  batch sharding. Output, lse and gradients against the oracle, eager and under jit."""
+  their batch dims unlike the query (or the query on no mesh): flattening them was a reshape
+  Explicit axes refuse (JAX's ShardingTypeError, eager and under jit). They are now
+  flattened into the query's batch sharding. Output, lse and gradients against the oracle, eager and under jit."""
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "sp"),
               axis_types=(axis_type,) * 2)
   lead, t, n, h = (2, 2), 32, 2, 16
@@ -231,10 +232,11 @@ def test_batch_dims_of_keys_sharded_unlike_the_query(axis_type, q_spec, kv_spec)
   q_seg = np.asarray(helpers.packed_segments(rows, t, seed=6))
   kv_seg = np.where(np.arange(t) % 5 == 0, q_seg + 1, q_seg)   # some keys of no query's
   kv_len = np.random.default_rng(7).integers(1, t + 1, rows).astype(np.int32)
-  on = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+  on = lambda x, spec: (np.asarray(x) if spec is None else
+                        jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec)))
   placed_q = on(q, q_spec)
   placed_kv = [on(x, kv_spec) for x in (key, v)]
-  seg = (on(q_seg.reshape(lead + (t,)), P(*tuple(q_spec)[:3])),
+  seg = (on(q_seg.reshape(lead + (t,)), q_spec and P(*tuple(q_spec)[:3])),
          on(kv_seg.reshape(lead + (t,)), P(*tuple(kv_spec)[:3])))
   lengths = on(kv_len.reshape(lead), P(*tuple(kv_spec)[:2]))
 
