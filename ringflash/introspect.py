@@ -89,5 +89,5 @@ def device_steps(ring: RingSpec):
   return steps
 
 
-__all__ = ["BACKENDS", "RingPlan", "RingSpec", "balance_block", "device_steps", "held_source", "layout_positions", "plan",
-           "ring_spec", "work_table"]
+__all__ = ["BACKENDS", "RingPlan", "RingSpec", "balance_block", "device_steps", "held_source",
+           "layout_positions", "plan", "ring_spec", "work_table"]

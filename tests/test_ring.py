@@ -222,7 +222,8 @@ def test_batch_dims_of_keys_sharded_unlike_the_query(axis_type, q_spec, kv_spec)
   """[B1, B2, T, N, H] whose keys, values, key segment ids and key lengths are sharded on
   their batch dims unlike the query (or the query on no mesh): flattening them was a reshape
   Explicit axes refuse (JAX's ShardingTypeError, eager and under jit). They are now
-  flattened into the query's batch sharding. Output, lse and gradients against the oracle, eager and under jit."""
+  flattened into the query's batch sharding. Output, lse and gradients against the oracle,
+  eager and under jit."""
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "sp"),
               axis_types=(axis_type,) * 2)
   lead, t, n, h = (2, 2), 32, 2, 16
