@@ -112,12 +112,14 @@ def job_from_flags(values: flags.FlagValues = FLAGS, *, folders: bool = True) ->
   return Job(config=config, repeat=v.repeat, tolerance=v.tolerance, out_dir=v.out_dir)
 
 
-def check_devices(config: Config, device_count: int) -> None:
-  """The sequence must divide over the job's devices.
+def check_devices(config: Config, device_count: int, processes: int = 1) -> None:
+  """The sequence must divide over the job's devices (the ring takes all of them, so every
+  one of `processes` holds some).
 
   Raises:
     UsageError: naming --seq_len.
   """
+  del processes
   if config.seq_len % device_count:
     raise UsageError(f"--seq_len={config.seq_len} must be divisible by the number of "
                      f"global devices, {device_count}")

@@ -53,7 +53,8 @@ def define_flags() -> None:
   # both targets
   flags.DEFINE_integer(
       "init_timeout_s", distributed.DEFAULT_INIT_TIMEOUT_S,
-      "start-up timeout of every process (RINGFLASH_INIT_TIMEOUT_S)", lower_bound=1)
+      "start-up timeout of every process (RINGFLASH_INIT_TIMEOUT_S)", lower_bound=1,
+      upper_bound=2**31 - 1)
   # local
   flags.DEFINE_integer("processes", 2, "local: N, processes to start",
                        lower_bound=1)
@@ -131,7 +132,7 @@ def _job_environment(values: dict[str, str]):
         os.environ[name] = value
 
 
-def check_job(job: list[str], *, devices: int | None) -> None:
+def check_job(job: list[str], *, devices: int | None, processes: int = 1) -> None:
   """Checks a job before it starts anywhere.
 
   Args:
@@ -139,6 +140,7 @@ def check_job(job: list[str], *, devices: int | None) -> None:
     devices: the job's global device count if known (local: processes x devices per
       process), for the checks that need it; None skips them, and the checks of the job's
       folders, which belong to the machines that run it (tpu).
+    processes: the job's processes, each holding devices / processes of them.
 
   Raises:
     UsageError: the job is not a ringflash subcommand, or (check, train) one of its flags
@@ -172,7 +174,7 @@ def check_job(job: list[str], *, devices: int | None) -> None:
       raise UsageError(f"takes flags only, got the argument(s) {' '.join(rest[1:])}")
     parsed = module.job_from_flags(values, folders=devices is not None)
     if devices is not None:
-      module.check_devices(parsed.config, devices)
+      module.check_devices(parsed.config, devices, processes)
   except (flags.Error, UsageError) as err:
     raise UsageError(f"job {name}: {err}") from None
 
@@ -212,7 +214,13 @@ def main(argv) -> None:
     env = ({distributed.ENV_DEVICES_PER_PROCESS: str(FLAGS.devices_per_process)}
            if FLAGS.platform == "cpu" else {})
     with _job_environment(env):
-      check_job(job, devices=FLAGS.processes * FLAGS.devices_per_process)
+      check_job(job, devices=FLAGS.processes * FLAGS.devices_per_process,
+                processes=FLAGS.processes)
+    if FLAGS.port:
+      try:
+        local.check_port(FLAGS.port)
+      except ValueError as err:
+        raise UsageError(f"--{err}") from None
     _check_dir("log_dir", folder)
     try:
       status = local.launch(job, processes=FLAGS.processes,

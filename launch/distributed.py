@@ -240,20 +240,30 @@ def exit_promptly_on_error(command: str):
       # Ending at once anyway: the launcher's SIGTERM (it stops the others as soon as one
       # process is lost) must not cut the report short.
       signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    traceback.print_exc()
+    try:
+      traceback.print_exc()
+    except OSError:
+      pass                      # the output pipe is gone (the launcher was killed): end anyway
     _end_now(1, f"process {_joined.process_id} of {_joined.num_processes}: ending at once "
                 f"(status 1), without the runtime's shutdown barrier")
 
 
 def _say(message: str):
-  print(message, file=sys.stderr)
-  sys.stdout.flush()
-  sys.stderr.flush()
+  """message on stderr, both streams flushed; a closed pipe (a launcher that was killed) is
+  no reason not to go on: the callers end the process next."""
+  try:
+    print(message, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+  except OSError:
+    pass
 
 
 def _end_now(status: int, message: str):
-  _say(message)
-  os._exit(status)  # pylint: disable=protected-access
+  try:
+    _say(message)
+  finally:
+    os._exit(status)  # pylint: disable=protected-access
 
 
 def leave_together(status: int, message: str):
@@ -369,7 +379,8 @@ def directory_problem(path: str) -> str | None:
   return None
 
 
-def _env_int(name: str, default: int | None, *, minimum: int) -> int | None:
+def _env_int(name: str, default: int | None, *, minimum: int,
+             maximum: int = 2**31 - 1) -> int | None:
   raw = os.environ.get(name, "")
   if not raw:
     return default
@@ -377,8 +388,8 @@ def _env_int(name: str, default: int | None, *, minimum: int) -> int | None:
     value = int(raw)
   except ValueError:
     raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-  if value < minimum:
-    raise ValueError(f"{name} must be >= {minimum}, got {value}")
+  if not minimum <= value <= maximum:
+    raise ValueError(f"{name} must be in {minimum}..{maximum}, got {value}")
   return value
 
 

@@ -45,6 +45,17 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def check_port(port: int) -> None:
+  """Raises ValueError unless 127.0.0.1:port is free to listen on: else process 0 fails to
+  listen, and the others may wait on whoever holds it."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    try:
+      s.bind(("127.0.0.1", port))
+    except OSError as err:
+      raise ValueError(f"port={port}: 127.0.0.1:{port} is in use ({err.strerror}); give a "
+                       f"free port, or none (--port=0) to have one picked") from None
+
+
 PLATFORMS = ("cpu", "gpu")
 
 
@@ -132,6 +143,8 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
                      f"must be >= 1")
   if not job:
     raise ValueError("job must name a ringflash subcommand, e.g. ['check']")
+  if port is not None:
+    check_port(port)
   port = free_port() if port is None else port
   envs = [process_env(os.environ, process_id=i, processes=processes,
                       devices_per_process=devices_per_process, port=port,
@@ -170,7 +183,14 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
   except KeyboardInterrupt:
     say(f"interrupted; stopping all processes (SIGTERM now, SIGKILL to any still alive after "
         f"{stop_timeout_s:g} s)")
+    if _main_thread():
+      # A second Ctrl-C or SIGTERM must not cut the stop short and leave processes running:
+      # it ends within stop_timeout_s regardless.
+      previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)
     killed = _stop(procs, stop_timeout_s, say)
+    if _main_thread():
+      signal.signal(signal.SIGINT, previous_int)
     for i, proc in enumerate(procs):
       say(f"process {i}: " + ("killed by SIGKILL" if i in killed else
                               describe_exit(proc.returncode)))

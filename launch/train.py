@@ -424,7 +424,7 @@ def main(argv) -> None:
 
   from ringflash.launch import checkpointing      # pylint: disable=g-import-not-at-top
   with distributed.exit_promptly_on_error("train"):
-    check_devices(job.config, jax.device_count())
+    check_devices(job.config, jax.device_count(), jax.process_count())
     trainer = Trainer(job.config)
     try:
       trainer.check_shapes()

@@ -207,8 +207,10 @@ def job_from_flags(values: flags.FlagValues = FLAGS, *, folders: bool = True) ->
              platform=v.platform, cpu_devices=v.cpu_devices)
 
 
-def check_devices(config: RunConfig, device_count: int) -> None:
-  """The mesh data_parallel x ring must fit the job's devices.
+def check_devices(config: RunConfig, device_count: int, processes: int = 1) -> None:
+  """The mesh data_parallel x ring must fit the job's devices, and (it takes the first
+  data_parallel x ring of them, process by process) reach every one of its `processes`: a
+  process holding no device of the mesh cannot read the values train reads back.
 
   Raises:
     UsageError: naming --data_parallel and --ring.
@@ -217,6 +219,12 @@ def check_devices(config: RunConfig, device_count: int) -> None:
   if needed > device_count:
     raise UsageError(f"--data_parallel={config.data_parallel} x --ring={config.ring} needs "
                      f"{needed} devices, the job has {device_count}")
+  per = device_count // processes if processes > 1 and device_count % processes == 0 else 0
+  if per and needed <= (processes - 1) * per:
+    raise UsageError(f"--data_parallel={config.data_parallel} x --ring={config.ring} = "
+                     f"{needed} devices leaves process {processes - 1} of the job's "
+                     f"{processes} x {per} devices without one; every process must hold a "
+                     f"device of the mesh, so it needs more than {(processes - 1) * per}")
 
 
 def usage_error(err: Exception, values: flags.FlagValues, otherwise: str = "") -> UsageError:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import signal
 import subprocess
 import sys
@@ -196,6 +197,47 @@ def test_killed_process_stops_the_launch(tmp_path):
   assert_lost_and_stopped(text, lost=1, pid=pid, stopped=0,
                           how=("exited with status 1", "killed by signal SIGTERM"))
   assert os.path.exists(tmp_path / "process_0.log")
+
+
+def test_a_second_interrupt_does_not_cut_the_stop_short(tmp_path):
+  """Ctrl-C twice while the launcher stops processes that outlive SIGTERM: the second one
+  raised out of the stop, the launcher died with a traceback and left them running. Now it
+  ends within --stop_timeout_s, SIGKILL for both, no traceback."""
+  fake = tmp_path / "python"               # a job process that ignores SIGTERM
+  fake.write_text("#!/bin/sh\ntrap '' TERM\nexec sleep 120\n")
+  fake.chmod(0o755)
+  program = ("import sys; from ringflash.launch import local; "
+             f"sys.exit(local.launch(['check'], processes=2, devices_per_process=1, "
+             f"log_dir={str(tmp_path / 'logs')!r}, stop_timeout_s=4, python={str(fake)!r}))")
+  launcher = subprocess.Popen([PYTHON, "-c", program], env=job_env(), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+  reader.start()
+  deadline = time.monotonic() + 60
+  while sum("pid" in line for line in lines) < 2 and time.monotonic() < deadline:
+    time.sleep(0.1)
+  pids = [int(m.group(1)) for m in re.finditer(r"process \d: pid (\d+)", "".join(lines))]
+  try:
+    assert len(pids) == 2, "".join(lines)
+    launcher.send_signal(signal.SIGINT)
+    time.sleep(1)
+    launcher.send_signal(signal.SIGINT)
+    assert launcher.wait(30) == 1
+    reader.join(5)
+    text = "".join(lines)
+    assert "Traceback" not in text, text
+    assert text.count("killed by SIGKILL") == 2, text
+    for pid in pids:
+      assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[
+          2] == "Z", text
+  finally:
+    launcher.kill()
+    for pid in pids:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
 
 
 TRAIN_TINY = ["train", "--steps=100000", "--seq_len=64", "--batch_size=2", "--data_parallel=2",
@@ -428,6 +470,16 @@ def test_flag_refuted_on_one_process_only_ends_the_job_after_the_barrier():
     # each process gets RINGFLASH_DEVICES_PER_PROCESS=4, which --cpu_devices would contradict
     (["local", "--devices-per-process=4", "--", "train", "--cpu_devices=8"],
      "job train: --cpu_devices=8 disagrees with RINGFLASH_DEVICES_PER_PROCESS=4"),
+    # the mesh takes the first 2 devices, all of process 0's: process 1 crashed reading back
+    (["local", "--processes=2", "--devices-per-process=4", "--", "train", "--data_parallel=1",
+      "--ring=2"], "job train: --data_parallel=1 x --ring=2 = 2 devices leaves process 1 of "
+                   "the job's 2 x 4 devices without one"),
+    (["local", "--processes=3", "--devices-per-process=2", "--", "train", "--data_parallel=2",
+      "--ring=2"], "leaves process 2 of the job's 3 x 2 devices without one"),
+    # past int32: every process died in jax.distributed.initialize
+    (["local", "--init_timeout_s=3000000000", "--", "check"],
+     "flag --init_timeout_s=3000000000: 3000000000 is not an integer in the range "
+     "[1, 2147483647]"),
 ])
 def test_launch_refuses_bad_arguments_before_starting(tmp_path, args, message):
   afile = tmp_path / "afile"
@@ -439,6 +491,19 @@ def test_launch_refuses_bad_arguments_before_starting(tmp_path, args, message):
   run = ringflash("launch", *args, timeout=120)
   assert_usage_error(run, "launch", message.format(file=afile))
   assert run.stdout == "" and not logs.exists()       # nothing started, nothing written
+
+
+def test_launch_refuses_a_port_in_use_before_starting(tmp_path):
+  """--port held by another program: process 0 failed to listen with a traceback while the
+  others could wait on whoever held it. Now one line naming the port, nothing started."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    run = ringflash("launch", "local", f"--log_dir={tmp_path / 'logs'}", f"--port={port}",
+                    "--", "check", timeout=120)
+  assert_usage_error(run, "launch", f"port={port}: 127.0.0.1:{port} is in use")
+  assert run.stdout == "" and not (tmp_path / "logs").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,7 +518,9 @@ def test_launch_refuses_bad_arguments_before_starting(tmp_path, args, message):
     ({"RINGFLASH_NUM_PROCESSES": "2"}, "RINGFLASH_PROCESS_ID must be set"),
     ({"RINGFLASH_NUM_PROCESSES": "2", "RINGFLASH_PROCESS_ID": "1",
       "RINGFLASH_COORDINATOR": "localhost"}, "RINGFLASH_COORDINATOR must be host:port"),
-    ({"RINGFLASH_INIT_TIMEOUT_S": "0"}, "RINGFLASH_INIT_TIMEOUT_S must be >= 1"),
+    ({"RINGFLASH_INIT_TIMEOUT_S": "0"}, "RINGFLASH_INIT_TIMEOUT_S must be in 1..2147483647"),
+    ({"RINGFLASH_INIT_TIMEOUT_S": "3000000000"},
+     "RINGFLASH_INIT_TIMEOUT_S must be in 1..2147483647, got 3000000000"),
     ({"RINGFLASH_NUM_PROCESSES": "2", "RINGFLASH_PROCESS_ID": "0",
       "RINGFLASH_COORDINATOR": "127.0.0.1:99999"},
      "RINGFLASH_COORDINATOR=127.0.0.1:99999: the port must be in 1..65535, got 99999"),
@@ -511,6 +578,40 @@ def test_rendezvous_refuses_disagreeing_processes():
       errors["wrong count"])
   assert "process(es) 2 of 3 did not join" in str(errors["server"])
   assert "process(es) 2 of 3 did not join" in str(errors["first"])
+
+
+def test_an_error_ends_the_process_when_its_output_pipe_is_gone(monkeypatch):
+  """A launcher killed by SIGKILL leaves its processes' output pipe closed: printing the
+  error's traceback raised BrokenPipeError, os._exit never ran, and the process waited in
+  JAX's shutdown barrier (300 s) before aborting. It now ends at once, status 1."""
+  class Gone(io.TextIOBase):
+    def write(self, text):
+      raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+      raise BrokenPipeError(32, "Broken pipe")
+
+  class Ended(BaseException):
+    pass
+
+  statuses = []
+
+  def end(status):
+    statuses.append(status)
+    raise Ended
+
+  monkeypatch.setattr(distributed, "_joined", distributed.Processes(0, 2, None, "env"))
+  monkeypatch.setattr(sys, "stdout", Gone())
+  monkeypatch.setattr(sys, "stderr", Gone())
+  monkeypatch.setattr(os, "_exit", end)
+  previous = signal.getsignal(signal.SIGTERM)
+  try:
+    with pytest.raises(Ended):
+      with distributed.exit_promptly_on_error("check"):
+        raise RuntimeError("peer lost")
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert statuses == [1]
 
 
 def test_preemption_notice_agrees_through_its_own_flags(monkeypatch):
