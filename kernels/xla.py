@@ -133,8 +133,10 @@ def forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
     return o.transpose(0, 3, 1, 2, 4), lse              # [B, bq, K, G, Hv], [B, K, G, bq]
 
   o_tiles, lse_tiles = lax.map(q_tile, jnp.arange(nq))  # [nq, B, bq, K, G, Hv], [nq, ...]
-  o = o_tiles.transpose(1, 0, 2, 3, 4, 5).reshape(b, t, n, hv)
-  lse = lse_tiles.transpose(1, 2, 3, 0, 4).reshape(b, n, t)
+  # One pair of dims merged per reshape: under jax.vmap on a mesh with Explicit axes (the
+  # batch sharded) JAX refuses a reshape that merges two pairs at once.
+  o = o_tiles.transpose(1, 0, 2, 3, 4, 5).reshape(b, t, kh, g, hv).reshape(b, t, n, hv)
+  lse = lse_tiles.transpose(1, 2, 3, 0, 4).reshape(b, kh, g, t).reshape(b, n, t)
   return o, lse
 
 

@@ -114,7 +114,20 @@ def padded_rows(layout: str, ring_size: int, length: int, positions):
 
 
 def _take(x, rows, axis: int):
-  return jnp.take(x, jnp.asarray(rows), axis=axis, mode="fill", fill_value=0)
+  return jnp.take(_whole_along(x, axis), jnp.asarray(rows), axis=axis, mode="fill",
+                  fill_value=0)
+
+
+def _whole_along(x, axis: int):
+  """x unsharded along `axis` where it is typed sharded along it on Explicit axes: JAX
+  refuses a gather along a sharded dim there (the sequence of a zigzag or striped layout
+  padded here, its inputs sequence-sharded). The strategy's shard_map lays it out again."""
+  sharding = jax.typeof(x).sharding
+  mesh, spec = getattr(sharding, "mesh", None), tuple(getattr(sharding, "spec", ()) or ())
+  if (axis >= len(spec) or spec[axis] is None or getattr(mesh, "empty", True)
+      or not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)):
+    return x
+  return _mesh.reshard(x, NamedSharding(mesh, P(*spec[:axis], None, *spec[axis + 1:])))
 
 
 def regather(x, rows, back, axis: int = 1):
@@ -129,6 +142,7 @@ def regather(x, rows, back, axis: int = 1):
   """
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     return _take(x, rows, axis)
+  x = _whole_along(x, axis)         # outside: the gather's cotangent has the type of its x
 
   @jax.custom_vjp
   def gather(x):

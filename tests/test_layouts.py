@@ -417,6 +417,44 @@ def test_layouts_keep_the_sequence_sharded(explicit):
       np.testing.assert_array_equal(np.asarray(back), host)
 
 
+@pytest.mark.parametrize("layout,t,bidirectional", [("zigzag", 12, False),
+                                                     ("striped", 28, True)])
+def test_padded_layouts_of_sequence_sharded_explicit_inputs(layout, t, bidirectional):
+  """A zigzag or striped sequence whose length does not fit the layout (zigzag: not a
+  multiple of 2P; striped bidirectional: odd local lengths) is padded by a gather along the
+  sequence; inputs sequence-sharded on Explicit axes made it JAX's ShardingTypeError. Out
+  and gradients against the oracle, eager and under jit, and a KVCache prefilled in that
+  layout from such keys."""
+  from jax.sharding import AxisType, NamedSharding  # pylint: disable=g-import-not-at-top
+  ring = 4
+  mesh = jax.make_mesh((ring,), ("sp",), axis_types=(AxisType.Explicit,),
+                       devices=jax.devices()[:ring])
+  q, k, v, dout = helpers.inputs(43, 1, t, t, 2, 2, 8, jnp.float32)
+  pos = ringflash.to_layout(np.arange(t), layout, ring, axis=0)
+
+  def ref_loss(q, k, v):
+    return jnp.sum(oracle.attention(q, k, v, causal=True, q_pos=pos, kv_pos=pos)[0] * dout)
+
+  def loss(q, k, v):
+    out = ringflash.ring_attention(q, k, v, is_causal=True, layout=layout,
+                                   bidirectional=bidirectional)
+    return jnp.sum(out * dout), out
+
+  want = oracle.attention(q, k, v, causal=True, q_pos=pos, kv_pos=pos)[0]
+  want_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
+  with jax.set_mesh(mesh):
+    placed = [jax.device_put(x, NamedSharding(mesh, P(None, "sp"))) for x in (q, k, v)]
+    grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+    for fn in (grad, jax.jit(grad)):
+      grads, out = fn(*placed)
+      assert helpers.max_err(out, want) <= helpers.fp32_tol(want)
+      for got, ref in zip(grads, want_grads):
+        assert helpers.max_err(got, ref) <= helpers.fp32_tol(ref)
+    cache = ringflash.KVCache.create(1, 64, 2, 8, mesh=mesh, dtype=jnp.float32)
+    cache = cache.prefill(placed[1], placed[2], layout=layout)
+    assert np.asarray(cache.lengths).tolist() == [t]
+
+
 def test_sharded_entry_with_layout():
   # Inside the caller's shard_map, shards in striped order: device i holds tokens i, i+4, ..
   mesh = helpers.mesh_of(4)

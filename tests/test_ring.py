@@ -270,6 +270,36 @@ def test_batch_dims_of_keys_sharded_unlike_the_query(axis_type, q_spec, kv_spec)
         assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
 
 
+@pytest.mark.parametrize("layout,block_q", [("contiguous", 4), ("zigzag", None)])
+def test_vmap_over_an_explicit_batch_with_gqa_and_several_query_tiles(layout, block_q):
+  """jax.vmap of ring_attention on an Explicit ("data", "sp") mesh, the batch sharded over
+  "data", GQA: with more than one query tile a device (small tiles, or zigzag's two
+  chunks) the xla kernel's reshape merging two pairs of dims was JAX's ShardingTypeError.
+  Output and gradients against the oracle, with and without spmd_axis_name."""
+  mesh = jax.make_mesh((2, 4), ("data", "sp"), axis_types=(AxisType.Explicit,) * 2)
+  q, key, v, dout = helpers.inputs(47, 2, 32, 32, 4, 2, 8, jnp.float32)
+  pos = ringflash.to_layout(np.arange(32), layout, 4, axis=0)
+  tiles = None if block_q is None else ringflash.XlaBlockSizes(block_q=block_q)
+
+  def ref_loss(q, k, v):
+    return jnp.sum(helpers.oracle.attention(q, k, v, q_pos=pos, kv_pos=pos)[0] * dout)
+
+  def f(q, k, v):
+    return ringflash.ring_attention(q, k, v, layout=layout, block_sizes=tiles, backend="xla")
+
+  want = helpers.oracle.attention(q, key, v, q_pos=pos, kv_pos=pos)[0]
+  want_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(q, key, v)
+  with jax.set_mesh(mesh):
+    placed = [jax.device_put(x, NamedSharding(mesh, P("data", "sp"))) for x in (q, key, v)]
+    for mapped in (jax.vmap(f), jax.vmap(f, spmd_axis_name="data")):
+      out = mapped(*placed)
+      assert helpers.max_err(out, want) <= helpers.fp32_tol(want)
+      grads = jax.grad(lambda q, k, v: jnp.sum(mapped(q, k, v) * dout),  # pylint: disable=cell-var-from-loop
+                       argnums=(0, 1, 2))(*placed)
+      for got, ref in zip(grads, want_grads):
+        assert helpers.max_err(got, ref) <= helpers.fp32_tol(ref)
+
+
 def test_repeated_eager_calls_reuse_one_compiled_program(monkeypatch):
   """The README calls ring_attention eagerly: the same shapes and options trace (and
   compile) once; other options get their own program; the cache of programs is bounded."""
