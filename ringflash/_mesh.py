@@ -97,32 +97,21 @@ def check_sequence_sharded(names: tuple[str, ...], **arrays) -> None:
           f"shard_map's in_specs must shard {name}'s sequence dim over axis_name")
 
 
-def check_no_explicit_axes(**arrays) -> None:
-  """Inside a shard_map manual over the ring's axis alone, other mesh axes may be Explicit
-  and shard the local arrays' batch or heads. Per-device kernels cannot run on arrays typed
-  so (JAX refuses their branches and refs), so it is refused by name: the caller makes the
+def check_no_explicit_axes() -> None:
+  """Inside a shard_map manual over the ring's axis alone, other mesh axes may stay
+  Explicit. Per-device kernels and collectives cannot run on arrays typed on such a mesh,
+  sharded over those axes or not (JAX refuses the kernels' branches and refs, Pallas's
+  interpreter, a reduce-scatter's lowering), so it is refused by name: the caller makes the
   shard_map manual over those axes too, or calls ring_attention on the global arrays."""
-  for name, x in arrays.items():
-    if x is None:
-      continue
-    for leaf in jax.tree.leaves(x):
-      try:
-        sharding = jax.typeof(leaf).sharding
-      except (AttributeError, TypeError):
-        continue
-      mesh, spec = getattr(sharding, "mesh", None), tuple(getattr(sharding, "spec", ()) or ())
-      if mesh is None or getattr(mesh, "empty", True):
-        continue
-      explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types)
-                  if t == jax.sharding.AxisType.Explicit}
-      axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)
-              if a in explicit]
-      if axes:
-        raise NotImplementedError(
-            f"ring_attention_sharded: {name} is sharded over mesh axis {axes[0]!r}, which is "
-            f"Explicit and not manual in the enclosing shard_map; make the shard_map manual "
-            f"over it too (axis_names, or leave axis_names unset), or call ring_attention on "
-            f"the global arrays")
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = [a for a, t in zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ()))
+              if t == jax.sharding.AxisType.Explicit]
+  if explicit:
+    raise NotImplementedError(
+        f"ring_attention_sharded: mesh axis {explicit[0]!r} is Explicit and not manual in the "
+        f"enclosing shard_map; make the shard_map manual over every Explicit axis "
+        f"(axis_names, or leave axis_names unset), or call ring_attention on the global "
+        f"arrays")
 
 
 def current_platform():

@@ -345,9 +345,7 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
   ring_size = axes.size
   _validate.check_segment_values(segment_ids)
   _mesh.check_sequence_sharded(names, query=query, key=key, value=value)
-  _mesh.check_no_explicit_axes(query=query, key=key, value=value, segment_ids=segment_ids,
-                               query_seq_lengths=query_seq_lengths,
-                               key_value_seq_lengths=key_value_seq_lengths, sinks=sinks)
+  _mesh.check_no_explicit_axes()
   platform, device = _mesh.current_platform()
   call = _validate.check_call(
       query, key, value, segment_ids=segment_ids, scale=scale, backend=backend,

@@ -324,33 +324,40 @@ def test_repeated_eager_calls_reuse_one_compiled_program(monkeypatch):
 
 
 def test_sharded_entry_in_a_shard_map_manual_over_the_ring_alone():
-  """A shard_map manual over "sp" alone on Explicit axes: local arrays whose batch stays
-  sharded over the Explicit "data" axis failed inside the kernels with JAX's own errors
-  (cond branches of unequal types on xla, a sharded ref on pallas_tpu). Now a
-  NotImplementedError names the array and the axis; with the batch replicated there the
-  call runs, against the oracle."""
-  mesh = jax.make_mesh((2, 4), ("data", "sp"), axis_types=(AxisType.Explicit,) * 2)
-  q, key, v, _ = helpers.inputs(41, 2, 32, 32, 2, 2, 16, jnp.float32)
+  """A shard_map manual over "sp" alone, "data" left Explicit: local arrays sharded over
+  "data" failed inside the kernels with JAX's own errors (cond branches of unequal types on
+  xla, a sharded ref on pallas_tpu), and so did replicated ones on pallas_tpu (its
+  interpreter) and in allgather's backward (a reduce-scatter's lowering). Now a
+  NotImplementedError names the axis, whatever the arrays' sharding; with "data" Auto the
+  call runs, against the oracle, forward and backward."""
+  q, key, v, dout = helpers.inputs(41, 2, 32, 32, 2, 2, 16, jnp.float32)
   want = helpers.oracle.attention(q, key, v, causal=True)[0]
+  want_grads = jax.grad(lambda *a: jnp.sum(helpers.oracle.attention(*a, causal=True)[0] * dout),
+                        argnums=(0, 1, 2))(q, key, v)
 
-  def call(q_spec, kv_spec, backend="xla"):
+  def call(axis_type, spec, backend="xla", strategy="ring"):
+    mesh = jax.make_mesh((2, 4), ("data", "sp"), axis_types=(axis_type,) * 2)
     fn = jax.shard_map(
-        lambda a, b, c: ringflash.ring_attention_sharded(a, b, c, axis_name="sp",
-                                                         is_causal=True, backend=backend),
+        lambda a, b, c: ringflash.ring_attention_sharded(
+            a, b, c, axis_name="sp", is_causal=True, backend=backend, strategy=strategy),
         in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"), axis_names={"sp"},
         check_vma=backend == "xla")
     with jax.set_mesh(mesh):
-      args = [jax.device_put(x, NamedSharding(mesh, spec))
-              for x, spec in ((q, q_spec), (key, kv_spec), (v, kv_spec))]
-      return jax.jit(fn)(*args)
+      args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, key, v)]
+      grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * dout), argnums=(0, 1, 2)))(*args)
+      return jax.jit(fn)(*args), grads
 
-  out = call(P(None, "sp"), P(None, "sp"))
-  assert helpers.max_err(out, want) <= helpers.fp32_tol(want)
-  for backend in ("xla", "pallas_tpu"):
-    with pytest.raises(NotImplementedError, match="query is sharded over mesh axis 'data'"):
-      call(P("data", "sp"), P("data", "sp"), backend)
-  with pytest.raises(NotImplementedError, match="key is sharded over mesh axis 'data'"):
-    call(P(None, "sp"), P(None, "sp", "data"))
+  for strategy in ("ring", "allgather"):
+    out, grads = call(AxisType.Auto, P("data", "sp"), strategy=strategy)
+    assert helpers.max_err(out, want) <= helpers.fp32_tol(want)
+    for got, ref in zip(grads, want_grads):
+      assert helpers.max_err(got, ref) <= helpers.fp32_tol(ref)
+  for spec, backend, strategy in ((P("data", "sp"), "xla", "ring"),
+                                  (P("data", "sp"), "pallas_tpu", "ring"),
+                                  (P(None, "sp"), "pallas_tpu", "ring"),
+                                  (P(None, "sp"), "xla", "allgather")):
+    with pytest.raises(NotImplementedError, match="mesh axis 'data' is Explicit and not manual"):
+      call(AxisType.Explicit, spec, backend, strategy)
 
 
 def test_sharded_entry_on_interpreted_pallas_tpu_says_what_to_set():
