@@ -51,6 +51,32 @@ def _rows(x, lead, order=None):
   return x.reshape((int(np.prod(lead, dtype=np.int64)) if lead else 1,) + x.shape[len(lead):])
 
 
+def _explicit_mesh(x):
+  """The mesh x is typed on where it has Explicit axes (there JAX checks each op's result
+  sharding), else None."""
+  mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+  if getattr(mesh, "empty", True) or not any(
+      t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return None
+  return mesh
+
+
+def _spec_on(x, mesh, rank):
+  """x's partition spec entries, `rank` of them, where it is typed on `mesh`'s axes; all
+  None (replicated) where it is typed on no mesh or another."""
+  sharding = jax.typeof(x).sharding
+  if getattr(getattr(sharding, "mesh", None), "axis_names", None) != mesh.axis_names:
+    return (None,) * rank
+  return (tuple(sharding.spec) + (None,) * rank)[:rank]
+
+
+def _resharded(x, mesh, spec):
+  """x resharded to `spec` on `mesh`, where its spec differs."""
+  if _spec_on(x, mesh, x.ndim) == tuple(spec):
+    return x
+  return _mesh.reshard(x, NamedSharding(mesh, P(*spec)))
+
+
 def _rows_like(x, lead, order, like):
   """_rows(x, lead, order), its batch sharded as `like`'s (the query's rows) where x is typed
   on a mesh with Explicit axes. There a reshape that merges dims sharded otherwise than the
@@ -58,21 +84,18 @@ def _rows_like(x, lead, order, like):
   given the query's batch sharding as its out_sharding it runs (resharding where it must),
   and the strategy gets every input's rows sharded alike. x's other dims keep their axes,
   less those the batch takes."""
-  want, have = jax.typeof(like).sharding, jax.typeof(x).sharding
-  mesh = getattr(have, "mesh", None)
-  if (len(lead) < 2 or getattr(mesh, "empty", True)
-      or not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)):
+  mesh = _explicit_mesh(x)
+  if len(lead) < 2 or mesh is None:
     return _rows(x, lead, order)
   # A query on no mesh (a NumPy array) has its rows replicated: so have x's.
-  same = getattr(getattr(want, "mesh", None), "axis_names", None) == mesh.axis_names
-  batch = tuple(want.spec)[0] if same and tuple(want.spec) else None
+  batch = _spec_on(like, mesh, 1)[0]
   taken = {batch} if isinstance(batch, str) else set(batch or ())
 
   def kept(entry):
     axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in taken)
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
-  rest = tuple(have.spec) + (None,) * (x.ndim - len(tuple(have.spec)))
+  rest = _spec_on(x, mesh, x.ndim)
   if order is not None:
     x = jnp.transpose(x, order + tuple(range(len(lead), x.ndim)))
   shape = (int(np.prod(lead, dtype=np.int64)),) + x.shape[len(lead):]
@@ -122,12 +145,11 @@ def _whole_along(x, axis: int):
   """x unsharded along `axis` where it is typed sharded along it on Explicit axes: JAX
   refuses a gather along a sharded dim there (the sequence of a zigzag or striped layout
   padded here, its inputs sequence-sharded). The strategy's shard_map lays it out again."""
-  sharding = jax.typeof(x).sharding
-  mesh, spec = getattr(sharding, "mesh", None), tuple(getattr(sharding, "spec", ()) or ())
-  if (axis >= len(spec) or spec[axis] is None or getattr(mesh, "empty", True)
-      or not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)):
+  mesh = _explicit_mesh(x)
+  if mesh is None:
     return x
-  return _mesh.reshard(x, NamedSharding(mesh, P(*spec[:axis], None, *spec[axis + 1:])))
+  spec = _spec_on(x, mesh, x.ndim)
+  return _resharded(x, mesh, spec[:axis] + (None,) + spec[axis + 1:])
 
 
 def regather(x, rows, back, axis: int = 1):
@@ -195,8 +217,8 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
   if call.segments:
     q_ids, kv_ids = (segment_ids if isinstance(segment_ids, (tuple, list))
                      else (segment_ids, segment_ids))
-    q_ids = _fit(flat(jnp.asarray(q_ids, jnp.int32)), t_len, q_rows)
-    kv_ids = _fit(flat(jnp.asarray(kv_ids, jnp.int32)), s_len, k_rows)
+    q_ids = _as_rows(_fit(flat(jnp.asarray(q_ids, jnp.int32)), t_len, q_rows), q)
+    kv_ids = _as_rows(_fit(flat(jnp.asarray(kv_ids, jnp.int32)), s_len, k_rows), k)
   else:
     q_ids = jnp.zeros((b, t_len), jnp.int32)
     kv_ids = jnp.zeros((b, s_len), jnp.int32)
@@ -205,10 +227,10 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
   q_ok = jnp.broadcast_to(q_pos < call.t if t_len > call.t else True, (b, t_len))
   k_ok = jnp.broadcast_to(k_pos < call.s if s_len > call.s else True, (b, s_len))
   if q_lengths is not None:
-    q_len = flat(jnp.asarray(_validate.int32_clipped(q_lengths)))
+    q_len = _as_rows(flat(jnp.asarray(_validate.int32_clipped(q_lengths))), q)
     q_ok = q_ok & (q_pos[None, :] < q_len[:, None])
   if kv_lengths is not None:
-    kv_len = flat(jnp.asarray(_validate.int32_clipped(kv_lengths)))
+    kv_len = _as_rows(flat(jnp.asarray(_validate.int32_clipped(kv_lengths))), k)
     k_ok = k_ok & (k_pos[None, :] < kv_len[:, None])
   # Inside a caller's shard_map, ids made from replicated lengths alone vary over no mesh
   # axis: typed like the rows they mask, so that the ring can carry them with K and V.
@@ -228,9 +250,30 @@ def add_sinks(out, lse, sinks):
   sink = jnp.asarray(sinks, jnp.float32)[None, :, None]                  # [1, N, 1]
   # Inside a caller's shard_map the rows vary over mesh axes that a replicated sink does not:
   # typed as varying like them, its cotangent is summed over those devices by JAX.
-  sink = base.match_vma(sink, lse)
+  sink = base.match_vma(_heads_like(sink, lse), lse)
   scaled, total = _sink_rescale(out.astype(jnp.float32), lse, sink)
   return scaled.astype(out.dtype), total
+
+
+def _heads_like(sink, lse):
+  """sink [1, N, 1] sharded over the heads as lse [B, N, T] is, where sink is typed on a mesh
+  with Explicit axes: sinks sharded otherwise (over "data", FSDP-style) met lse in a result
+  JAX refuses (an axis twice) or gave a cotangent of another type. The reshard's own
+  transpose gives the sinks' gradient their sharding back."""
+  mesh = _explicit_mesh(sink)
+  if mesh is None:
+    return sink
+  return _resharded(sink, mesh, (None, _spec_on(lse, mesh, 2)[1], None))
+
+
+def _as_rows(x, rows):
+  """Segment ids [B, L] or lengths [B] sharded as the leading dims of rows [B, L, ...],
+  where x is typed on a mesh with Explicit axes: ids sharded along the sequence over an
+  axis that shards the lengths' batch met them in a mask JAX refuses (an axis twice)."""
+  mesh = _explicit_mesh(x)
+  if mesh is None:
+    return x
+  return _resharded(x, mesh, _spec_on(rows, mesh, x.ndim))
 
 
 def _sink_weight(lse, sink):

@@ -155,7 +155,9 @@ def lead_order(query, mesh: Mesh, axis_name) -> tuple[int, ...] | None:
   sharded over "data". The rows of a batch are independent, so any order is exact; the
   output is put back in the user's.
   """
-  entries = _visible_entries(query, mesh, axis_name)
+  # The ring's own axes count here: a batch dim sharded over them (a layout the strategy
+  # reshards) is merged by the same reshape.
+  entries = _visible_entries(query, mesh, ())
   if entries is None or len(entries) < 5:
     return None
   lead = entries[:-3]

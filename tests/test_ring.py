@@ -300,6 +300,62 @@ def test_vmap_over_an_explicit_batch_with_gqa_and_several_query_tiles(layout, bl
         assert helpers.max_err(got, ref) <= helpers.fp32_tol(ref)
 
 
+@pytest.mark.parametrize("case", ["sinks_over_data", "ids_and_lengths_over_data",
+                                  "batch_dim_over_the_ring_axis"])
+def test_explicit_inputs_sharded_unlike_the_rows(case):
+  """On Explicit axes, arrays sharded in ways the rows are not were JAX's errors: sinks over
+  "data" (FSDP-style) where the batch is over "data" or replicated (an axis twice in the
+  sink's weight; a cotangent of another type); segment ids sharded along the sequence over
+  "data" with lengths over "data" on the batch (an axis twice in their mask); a later batch
+  dim sharded over the ring's own axis (a reshape refused). Output and gradients (of q, k,
+  v, sinks) against the oracle, eager and under jit."""
+  mesh = jax.make_mesh((2, 4), ("data", "sp"), axis_types=(AxisType.Explicit,) * 2)
+  put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+  b, t, n, h = 8 if case == "batch_dim_over_the_ring_axis" else 4, 16, 4, 8
+  q, key, v, dout = helpers.inputs(53, b, t, t, n, 2, h, jnp.float32)
+  sinks = jnp.array([0.3, -0.5, 1.0, 0.0], jnp.float32)
+  seg = np.asarray(helpers.packed_segments(b, t, seed=8))
+  lengths = np.array([16, 3, 9, 12], np.int32)
+  options, ref_options, specs = {}, {}, [P(None, "sp")]
+  if case == "sinks_over_data":
+    options, ref_options = {"sinks": put(sinks, P("data"))}, {"sinks": sinks}
+    specs = [P("data", "sp"), P(None, "sp")]
+  elif case == "ids_and_lengths_over_data":
+    options = {"segment_ids": put(seg, P(None, "data")),
+               "query_seq_lengths": put(lengths, P("data"))}
+    ref_options = {"q_seg": seg, "kv_seg": seg, "q_lengths": lengths}
+  lead = (2, 4) if case == "batch_dim_over_the_ring_axis" else (b,)
+
+  def ours(q, k, v, sinks=None):
+    extra = dict(options, **({"sinks": sinks} if sinks is not None else {}))
+    return ringflash.ring_attention(q, k, v, axis_name="sp", is_causal=True, backend="xla",
+                                    **extra)
+
+  def loss(fn, q, k, v, *rest):
+    return jnp.sum(fn(q, k, v, *rest) * dout.reshape(lead + dout.shape[1:]))
+
+  def oracle_out(q, k, v, sinks=None):
+    flat = [x.reshape((b,) + x.shape[len(lead):]) for x in (q, k, v)]
+    extra = dict(ref_options, **({"sinks": sinks} if sinks is not None else {}))
+    out = helpers.oracle.attention(*flat, causal=True, **extra)[0]
+    return out.reshape(lead + out.shape[1:])
+
+  args = [x.reshape(lead + x.shape[1:]) for x in (q, key, v)]
+  rest = (sinks,) if case == "sinks_over_data" else ()
+  nargs = tuple(range(3 + len(rest)))
+  want = oracle_out(*args, *rest)
+  want_grads = jax.grad(lambda *a: loss(oracle_out, *a), argnums=nargs)(*args, *rest)
+  for spec in specs:
+    placed = [put(x, spec) for x in args] + [put(r, P("data")) for r in rest]
+    with jax.set_mesh(mesh):
+      grad = jax.grad(lambda *a: loss(ours, *a), argnums=nargs)
+      for fn, g in ((ours, grad), (jax.jit(ours), jax.jit(grad))):
+        out = fn(*placed)
+        assert helpers.max_err(out, want) <= helpers.fp32_tol(want), spec
+        for got, ref in zip(g(*placed), want_grads):
+          assert helpers.max_err(got, ref) <= helpers.fp32_tol(ref), spec
+
+
 def test_repeated_eager_calls_reuse_one_compiled_program(monkeypatch):
   """The README calls ring_attention eagerly: the same shapes and options trace (and
   compile) once; other options get their own program; the cache of programs is bounded."""
