@@ -204,7 +204,7 @@ def test_a_second_interrupt_does_not_cut_the_stop_short(tmp_path):
   raised out of the stop, the launcher died with a traceback and left them running. Now it
   ends within --stop_timeout_s, SIGKILL for both, no traceback."""
   fake = tmp_path / "python"               # a job process that ignores SIGTERM
-  fake.write_text("#!/bin/sh\ntrap '' TERM\nexec sleep 120\n")
+  fake.write_text("#!/bin/sh\ntrap '' TERM\necho ready\nexec sleep 120\n")
   fake.chmod(0o755)
   program = ("import sys; from ringflash.launch import local; "
              f"sys.exit(local.launch(['check'], processes=2, devices_per_process=1, "
@@ -215,7 +215,8 @@ def test_a_second_interrupt_does_not_cut_the_stop_short(tmp_path):
   reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
   reader.start()
   deadline = time.monotonic() + 60
-  while sum("pid" in line for line in lines) < 2 and time.monotonic() < deadline:
+  # Both ignore SIGTERM from here on (under load a SIGTERM before the trap ended one).
+  while sum(line.endswith("] ready\n") for line in lines) < 2 and time.monotonic() < deadline:
     time.sleep(0.1)
   pids = [int(m.group(1)) for m in re.finditer(r"process \d: pid (\d+)", "".join(lines))]
   try:
