@@ -137,8 +137,7 @@ def padded_rows(layout: str, ring_size: int, length: int, positions):
 
 
 def _take(x, rows, axis: int):
-  return jnp.take(_whole_along(x, axis), jnp.asarray(rows), axis=axis, mode="fill",
-                  fill_value=0)
+  return jnp.take(x, jnp.asarray(rows), axis=axis, mode="fill", fill_value=0)
 
 
 def _whole_along(x, axis: int):
@@ -162,9 +161,10 @@ def regather(x, rows, back, axis: int = 1):
   of the attention's own backward on the H200 at T = 16k. Integer arrays (segment ids) take
   the plain gather.
   """
+  # Before the custom VJP, so that the gather's cotangent has the type of its x.
+  x = _whole_along(x, axis)
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     return _take(x, rows, axis)
-  x = _whole_along(x, axis)         # outside: the gather's cotangent has the type of its x
 
   @jax.custom_vjp
   def gather(x):
