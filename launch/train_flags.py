@@ -74,7 +74,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   positive("num_copies", 8, "Retrieval task: positions each stored pair occupies.")
   positive("num_queries", 64, "Retrieval task: queries per sequence in its second half.")
   positive("num_fillers", 16, "Retrieval task: distinct filler tokens.")
-  flags.DEFINE_string("backend", "auto", "Ring attention backend.", **fv)
+  flags.DEFINE_string("backend", "auto", "Ring attention backend: auto, xla, pallas_tpu or "
+                      "pallas_gpu.", **fv)
   flags.DEFINE_string("checkpoint_dir", None, "Directory of checkpoints (none: no "
                       "checkpoints).", **fv)
   positive("save_every", 50, "Save a checkpoint every this many steps (needs "
@@ -140,6 +141,7 @@ def job_from_flags(values: flags.FlagValues = FLAGS, *, folders: bool = True) ->
   Raises:
     UsageError: naming the flag and what is allowed.
   """
+  from ringflash import introspect                # pylint: disable=g-import-not-at-top
   from ringflash.launch import data, model        # pylint: disable=g-import-not-at-top
   v = values
   if v.batch_size % v.data_parallel:
@@ -152,6 +154,10 @@ def job_from_flags(values: flags.FlagValues = FLAGS, *, folders: bool = True) ->
   for name in ("learning_rate", "rope_base"):
     if not v[name].value > 0:
       raise UsageError(f"--{name} must be > 0, got {v[name].value}")
+  if v.backend not in introspect.BACKENDS:
+    # Here, not only in ring_attention: a launched job refuses it before any process starts.
+    raise UsageError(f"--backend must be one of {', '.join(introspect.BACKENDS)}, got "
+                     f"{v.backend!r}")
   if v.resume and not v.checkpoint_dir:
     raise UsageError("--resume needs --checkpoint_dir (the directory to resume from)")
   # They only shape the saves, and without --checkpoint_dir nothing is saved.

@@ -464,6 +464,9 @@ def test_flag_refuted_on_one_process_only_ends_the_job_after_the_barrier():
     (["local", "--log_dir=/proc/nosuch/x", "--", "check"],
      "--log_dir=/proc/nosuch/x: /proc/nosuch/x cannot be created or written: "),
     (["local", "--", "check", "--out_dir=/proc/nosuch/x"], "job check: --out_dir=/proc/nosuch/x: "),
+    # each process refused it after joining, and the launcher saw a lost process (status 1)
+    (["local", "--", "train", "--backend=nope"],
+     "job train: --backend must be one of auto, xla, pallas_tpu, pallas_gpu, got 'nope'"),
     (["local", "--", "train", "--save_every=5"],
      "job train: --save_every needs --checkpoint_dir"),
     # the processes would print the launcher's help (absl's, parsed here) and exit 1

@@ -139,7 +139,8 @@ def test_every_query_is_answered_by_its_pair_in_the_first_half():
     (["--resume"], "--resume needs --checkpoint_dir (the directory to resume from)"),
     (["--seq_len=100"], "--num_pairs=16 x num_copies=8 = 128 must be <= seq_len / 2 = 50"),
     (["--d_model=30"], "--d_model=30 / num_heads=2 = 15 (head_dim) must be even for RoPE"),
-    (["--backend=nope"], "--backend must be one of ('auto', "),
+    (["--backend=nope"], "--backend must be one of auto, xla, pallas_tpu, pallas_gpu, got "
+                         "'nope'"),
     (["--learning_rate=inf"], "flag --learning_rate=inf: must be a finite number"),
     (["--keep=2"], "--keep needs --checkpoint_dir (without it no checkpoint is saved)"),
     (["--metrics_file=/proc/nosuch/m.jsonl"], "--metrics_file=/proc/nosuch/m.jsonl: "
