@@ -221,6 +221,11 @@ def main(argv) -> None:
         local.check_port(FLAGS.port)
       except ValueError as err:
         raise UsageError(f"--{err}") from None
+    if FLAGS.platform == "gpu":
+      problem = local.gpu_problem(dict(os.environ),
+                                  FLAGS.processes * FLAGS.devices_per_process)
+      if problem:
+        raise UsageError(f"--{problem}")
     _check_dir("log_dir", folder)
     try:
       status = local.launch(job, processes=FLAGS.processes,

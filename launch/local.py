@@ -59,6 +59,43 @@ def check_port(port: int) -> None:
 PLATFORMS = ("cpu", "gpu")
 
 
+def gpu_problem(base: dict[str, str], needed: int, *, python: str = sys.executable,
+                dev: str = "/dev") -> str | None:
+  """Why this machine cannot give `needed` GPUs to processes run by `python`, or None.
+
+  Each process would otherwise fail inside JAX's backend initialization (an AssertionError
+  without a CUDA plugin or without a GPU). Two things are read: whether `python`'s JAX has a
+  CUDA plugin (jax_plugins' xla_cuda*, or a jax_cuda*_plugin package), and, unless `base`
+  sets CUDA_VISIBLE_DEVICES (whose own count process_env checks), how many NVIDIA device
+  files /dev/nvidia<N> the machine has.
+  """
+  probe = ("import importlib.util, pkgutil\n"
+           "names = [m.name for m in pkgutil.iter_modules()]\n"
+           "spec = importlib.util.find_spec('jax_plugins')\n"
+           "names += [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)]"
+           " if spec else []\n"
+           "print(any('cuda' in n and ('plugin' in n or n.startswith('xla_')) for n in names))")
+  try:
+    found = subprocess.run([python, "-c", probe], capture_output=True, text=True,
+                           timeout=60).stdout.strip()
+  except (OSError, subprocess.TimeoutExpired) as err:
+    return f"platform=gpu: cannot run {python} to look for JAX's CUDA plugin ({err})"
+  if found != "True":
+    return (f"platform=gpu: {python}'s JAX has no CUDA plugin (install jax[cuda12] or "
+            f"jax[cuda13]), so its processes would find no GPU")
+  if base.get("CUDA_VISIBLE_DEVICES", ""):
+    return None
+  try:
+    count = sum(1 for name in os.listdir(dev) if name[6:].isdigit() and
+                name.startswith("nvidia"))
+  except OSError:
+    count = 0
+  if count < needed:
+    return (f"platform=gpu: {needed} GPUs needed, this machine has {count} ({dev}/nvidia<N>); "
+            f"use --platform=cpu for simulated devices")
+  return None
+
+
 def process_env(base: dict[str, str], *, process_id: int, processes: int,
                 devices_per_process: int, port: int, init_timeout_s: int,
                 platform: str = "cpu") -> dict[str, str]:
@@ -150,6 +187,10 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
                       devices_per_process=devices_per_process, port=port,
                       init_timeout_s=init_timeout_s, platform=platform)
           for i in range(processes)]      # bad arguments raise here, before any process starts
+  if platform == "gpu":
+    problem = gpu_problem(dict(os.environ), processes * devices_per_process, python=python)
+    if problem:
+      raise ValueError(problem)
   os.makedirs(log_dir, exist_ok=True)
   command = [python, "-m", "ringflash.cli", *job]
   lock = threading.Lock()

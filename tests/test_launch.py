@@ -385,6 +385,43 @@ def test_launch_refuses_bad_platform_arguments_before_starting(tmp_path, kwargs,
   assert terminal.getvalue() == "" and not (tmp_path / "l").exists()
 
 
+@pytest.mark.parametrize("plugin,files,visible,needed,message", [
+    (False, ["nvidia0"], "", 1, "'s JAX has no CUDA plugin (install jax[cuda12] or "
+                                "jax[cuda13]), so its processes would find no GPU"),
+    (False, ["nvidia0"], "0", 1, "'s JAX has no CUDA plugin"),
+    (True, [], "", 1, "platform=gpu: 1 GPUs needed, this machine has 0"),
+    (True, ["nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-caps"], "", 2,
+     "platform=gpu: 2 GPUs needed, this machine has 1"),
+    (True, ["nvidia0", "nvidia1", "nvidiactl"], "", 2, None),
+    (True, [], "GPU-1234", 1, None),        # CUDA_VISIBLE_DEVICES: process_env counts those
+])
+def test_gpu_problem_reads_the_plugin_and_the_device_files(tmp_path, plugin, files, visible,
+                                                           needed, message):
+  python = tmp_path / "python"               # prints what the real probe would
+  python.write_text(f"#!/bin/sh\necho {plugin}\n")
+  python.chmod(0o755)
+  dev = tmp_path / "dev"
+  dev.mkdir()
+  for name in files:
+    (dev / name).write_text("")
+  problem = local.gpu_problem({"CUDA_VISIBLE_DEVICES": visible} if visible else {}, needed,
+                              python=str(python), dev=str(dev))
+  if message is None:
+    assert problem is None
+  else:
+    assert problem is not None and message in problem, problem
+
+
+def test_gpu_problem_probe_agrees_with_jax():
+  """The real probe, run by this Python: a CUDA plugin found iff JAX lists a cuda backend
+  factory here."""
+  from jax._src import xla_bridge                 # pylint: disable=g-import-not-at-top
+  xla_bridge.discover_pjrt_plugins()
+  has_cuda = any("cuda" in name for name in xla_bridge._backend_factories)  # pylint: disable=protected-access
+  problem = local.gpu_problem({"CUDA_VISIBLE_DEVICES": "0"}, 1)
+  assert (problem is None) == has_cuda, problem
+
+
 # ---------------------------------------------------------------------------------------------
 # A user's mistake: one line naming the flag, status 2, before any work.
 
@@ -484,6 +521,10 @@ def test_flag_refuted_on_one_process_only_ends_the_job_after_the_barrier():
                    "the job's 2 x 4 devices without one"),
     (["local", "--processes=3", "--devices-per-process=2", "--", "train", "--data_parallel=2",
       "--ring=2"], "leaves process 2 of the job's 3 x 2 devices without one"),
+    # each process failed in JAX's backend initialization (AssertionError): no CUDA plugin
+    # here, or fewer than 16 GPUs
+    (["local", "--platform=gpu", "--processes=16", "--devices-per-process=1", "--", "check"],
+     "platform=gpu: "),
     # past int32: every process died in jax.distributed.initialize
     (["local", "--init_timeout_s=3000000000", "--", "check"],
      "flag --init_timeout_s=3000000000: 3000000000 is not an integer in the range "
