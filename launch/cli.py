@@ -100,6 +100,11 @@ TARGET_FLAGS = {
 }
 # Jobs whose flags the launcher checks before it starts them: module with define_flags(fv),
 # job_from_flags(fv) and check_devices(config, device_count).
+# The subcommands that join a multi-process job (distributed.initialize), and those that
+# run in one process whatever the environment.
+JOINING_JOBS = ("bench", "check", "train")
+SINGLE_PROCESS_JOBS = ("demo", "plan", "generate")
+
 CHECKED_JOBS = {"check": "ringflash.launch.check", "train": "ringflash.launch.train"}
 
 
@@ -147,10 +152,14 @@ def check_job(job: list[str], *, devices: int | None, processes: int = 1) -> Non
       is wrong, exactly as the job would say it.
   """
   name = job[0]
-  allowed = [n for n in ringflash_cli.SUBCOMMANDS if n != "launch"]
-  if name not in allowed:
+  if name in SINGLE_PROCESS_JOBS:
+    # Each process would run its own copy, alone, on its own devices.
+    raise UsageError(f"job {name}: `ringflash {name}` runs in one process and joins no "
+                     f"launched job; run it directly (the jobs that join: "
+                     f"{', '.join(JOINING_JOBS)})")
+  if name not in JOINING_JOBS:
     raise UsageError(f"the job (after the target, or after `--`) must start with a ringflash "
-                     f"subcommand, one of {', '.join(allowed)}; got {' '.join(job)!r}")
+                     f"subcommand, one of {', '.join(JOINING_JOBS)}; got {' '.join(job)!r}")
   for arg in job[1:]:
     if arg == "--":
       break

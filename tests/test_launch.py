@@ -479,6 +479,13 @@ def test_flag_refuted_on_one_process_only_ends_the_job_after_the_barrier():
   assert time.monotonic() - started < 120
 
 
+def test_every_subcommand_is_a_joining_or_a_single_process_job():
+  from ringflash import cli as ringflash_cli      # pylint: disable=g-import-not-at-top
+  from ringflash.launch import cli as launch_cli  # pylint: disable=g-import-not-at-top
+  both = launch_cli.JOINING_JOBS + launch_cli.SINGLE_PROCESS_JOBS
+  assert sorted(both) == sorted(set(ringflash_cli.SUBCOMMANDS) - {"launch"})
+
+
 @pytest.mark.parametrize("args,message", [
     (["local", "extra", "--", "check"], "must start with a ringflash subcommand, one of "),
     (["local", "--processes=2", "--devices-per-process=4", "--", "check", "--seq_len=100"],
@@ -511,7 +518,14 @@ def test_flag_refuted_on_one_process_only_ends_the_job_after_the_barrier():
                                          "processes would print help and exit); run "
                                          "`ringflash train --help` for the flags of train"),
     (["local", "--", "check", "--helpfull"], "job check: --helpfull is not for a launched job"),
-    (["local", "--", "generate", "-h"], "job generate: -h is not for a launched job"),
+    (["local", "--", "bench", "-h"], "job bench: -h is not for a launched job"),
+    # each process ran its own copy, alone
+    (["local", "--", "generate"], "job generate: `ringflash generate` runs in one process and "
+                                  "joins no launched job; run it directly (the jobs that join: "
+                                  "bench, check, train)"),
+    (["local", "--processes=1", "--", "demo"], "job demo: `ringflash demo` runs in one process"),
+    (["tpu", "--name=n", "--zone=z", "--dry-run", "--", "plan"],
+     "job plan: `ringflash plan` runs in one process"),
     # each process gets RINGFLASH_DEVICES_PER_PROCESS=4, which --cpu_devices would contradict
     (["local", "--devices-per-process=4", "--", "train", "--cpu_devices=8"],
      "job train: --cpu_devices=8 disagrees with RINGFLASH_DEVICES_PER_PROCESS=4"),
