@@ -32,6 +32,7 @@ import ringflash
 from ringflash import reference as dense
 from ringflash.cli import UsageError
 from ringflash.cli import define_float
+from ringflash.cli import command_flags
 from ringflash.launch import distributed
 
 FLAGS = flags.FLAGS
@@ -243,6 +244,9 @@ def main(argv) -> None:
   jax.config.update("jax_enable_preemption_service", False)
   joined = distributed.initialize()
   with distributed.exit_promptly_on_error("check"):
+    # Processes started by hand may differ: another --repeat left a peer waiting in a
+    # collective, another --seed made other inputs. --out_dir is each process's own.
+    distributed.agree_on_settings("check", command_flags(exclude=("out_dir",)))
     check_devices(job.config, jax.device_count())
     check_shapes(job.config)
     _check(job, joined)

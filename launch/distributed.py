@@ -180,20 +180,10 @@ def check_same_across_processes(arrays) -> None:
     InputsDifferError (a ValueError): the processes disagree; every process raises it, and
       the message lists each process's shapes.
   """
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
   mine = {name: [list(np.shape(x)), str(np.dtype(x.dtype))] for name, x in arrays.items()}
   if jax.process_count() == 1:
     return
-  encoded = json.dumps(mine, sort_keys=True).encode()
-  size = 4096
-  if len(encoded) > size:
-    raise ValueError(f"too many arrays to compare across processes ({len(encoded)} bytes of "
-                     f"description, at most {size})")
-  buf = np.zeros(size, np.uint8)
-  buf[:len(encoded)] = np.frombuffer(encoded, np.uint8)
-  gathered = np.asarray(multihost_utils.process_allgather(buf))       # [P, size]
-  described = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in gathered]
+  described = _gather_json(mine, "arrays")
   if all(d == described[0] for d in described):
     return
   lines = []
@@ -206,6 +196,58 @@ def check_same_across_processes(arrays) -> None:
   raise InputsDifferError("inputs differ across processes (every process must pass the "
                           "same shapes and dtypes before ring attention runs); "
                           + "; ".join(lines))
+
+
+class SettingsDifferError(ValueError):
+  """Processes of one job were given different settings (every process raises it)."""
+
+
+def check_same_settings(settings: dict) -> None:
+  """Raises unless every process passes equal `settings` (JSON values: a job's flags).
+
+  For processes started by hand, each with its own command line: one whose flags differ
+  would run another job (more passes, other inputs) and leave the others waiting in a
+  collective. Call it right after initialize(), before the first collective of the job.
+
+  Raises:
+    SettingsDifferError (a ValueError): on every process; the message names each setting
+      that differs and its value on each process.
+  """
+  if jax.process_count() == 1:
+    return
+  described = _gather_json(settings, "settings")
+  if all(d == described[0] for d in described):
+    return
+  lines = []
+  for name in sorted(set().union(*described)):
+    per = [d.get(name, "(not given)") for d in described]
+    if any(p != per[0] for p in per):
+      lines.append(f"{name}: " + ", ".join(f"process {i}: {p}" for i, p in enumerate(per)))
+  raise SettingsDifferError("the processes were given different settings (every process "
+                            "of a job must run the same command); " + "; ".join(lines))
+
+
+def agree_on_settings(command: str, settings: dict) -> None:
+  """check_same_settings for `ringflash <command>`: when the processes disagree, every one
+  of them prints the one line naming the settings and leaves with status 2."""
+  try:
+    check_same_settings(settings)
+  except SettingsDifferError as err:
+    leave_together(2, f"ringflash {command}: process {jax.process_index()}: {err}")
+
+
+def _gather_json(value, what: str, size: int = 16384) -> list:
+  """`value` of every process, by one all-gather of a fixed-size byte buffer (which cannot
+  itself mismatch)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  encoded = json.dumps(value, sort_keys=True).encode()
+  if len(encoded) > size:
+    raise ValueError(f"too many {what} to compare across processes ({len(encoded)} bytes of "
+                     f"description, at most {size})")
+  buf = np.zeros(size, np.uint8)
+  buf[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+  gathered = np.asarray(multihost_utils.process_allgather(buf))       # [P, size]
+  return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in gathered]
 
 
 def several_processes() -> bool:

@@ -57,6 +57,7 @@ import time
 from absl import logging
 
 from ringflash.cli import UsageError
+from ringflash.cli import command_flags
 from ringflash.launch import distributed
 from ringflash.launch.train_flags import FLAGS
 from ringflash.launch.train_flags import MAX_SEED as MAX_SEED
@@ -424,6 +425,10 @@ def main(argv) -> None:
 
   from ringflash.launch import checkpointing      # pylint: disable=g-import-not-at-top
   with distributed.exit_promptly_on_error("train"):
+    # Processes started by hand may differ; --metrics_file is process 0's alone, and the
+    # fault injection may be given to one process.
+    distributed.agree_on_settings("train", command_flags(
+        exclude=("metrics_file", "crash_after_save_starts")))
     check_devices(job.config, jax.device_count(), jax.process_count())
     trainer = Trainer(job.config)
     try:

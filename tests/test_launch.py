@@ -43,14 +43,15 @@ def ringflash(*args: str, timeout: float, env=None) -> subprocess.CompletedProce
 
 
 def start_process(process_id: int, num_processes: int, port: int, *args: str,
-                  devices: int = 2, init_timeout_s: int = 60) -> subprocess.Popen:
+                  devices: int = 2, init_timeout_s: int = 60,
+                  command: str = "check") -> subprocess.Popen:
   """One process of a job, started by hand with the environment contract (README)."""
   env = job_env(RINGFLASH_COORDINATOR=f"127.0.0.1:{port}",
                 RINGFLASH_NUM_PROCESSES=str(num_processes),
                 RINGFLASH_PROCESS_ID=str(process_id),
                 RINGFLASH_DEVICES_PER_PROCESS=str(devices),
                 RINGFLASH_INIT_TIMEOUT_S=str(init_timeout_s))
-  return subprocess.Popen([PYTHON, "-m", "ringflash.cli", "check", *args], env=env, cwd=REPO,
+  return subprocess.Popen([PYTHON, "-m", "ringflash.cli", command, *args], env=env, cwd=REPO,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -462,21 +463,36 @@ def test_flag_refuted_by_the_job_devices_ends_every_process_at_once():
   assert time.monotonic() - started < 60
 
 
-@pytest.mark.slow
-def test_flag_refuted_on_one_process_only_ends_the_job_after_the_barrier():
-  """Processes started by hand with different flags: process 0's --seq_len=102 is refuted
-  by the job's devices, process 1's 128 is not. Process 0 waits at leave_together's barrier
-  (30 s) for a peer that never comes, then leaves with the one line and status 2; process 1,
-  whose first collective has no peer, fails. Nobody waits for the launcher's kill."""
+@pytest.mark.parametrize("command,first,second,message", [
+    # process 1 ran a second pass alone and waited in its collective (300 s)
+    ("check", ["--repeat=1"], ["--repeat=2"], "--repeat: process 0: 1, process 1: 2"),
+    # other inputs: each process checked its shards against inputs the other did not use
+    ("check", ["--seed=0", "--out_dir={tmp}/a"], ["--seed=1", "--out_dir={tmp}/b"],
+     "--seed: process 0: 0, process 1: 1"),
+    # process 0's --seq_len=102 was refuted by the job's devices, process 1's default not:
+    # process 0 waited 30 s at the barrier, process 1's first collective had no peer
+    ("check", ["--seq_len=102"], [], "--seq_len: process 0: 102, process 1: 256"),
+    ("train", ["--steps=4", "--seed=3", "--metrics_file={tmp}/m.jsonl"], ["--steps=4"],
+     "--seed: process 0: 3, process 1: 0"),
+    ("bench", ["--iters=3", "--out={tmp}/a"], ["--iters=4", "--out={tmp}/b"],
+     "--iters: process 0: 3, process 1: 4"),
+])
+def test_processes_given_different_flags_leave_together(tmp_path, command, first, second,
+                                                        message):
+  """Processes started by hand, each with its own command line: every one prints the one
+  line naming the flags that differ and leaves with status 2, before the job's first
+  collective."""
   port = local.free_port()
   started = time.monotonic()
-  procs = [start_process(0, 2, port, "--seq_len=102"), start_process(1, 2, port)]
-  (code0, out0), (code1, out1) = finish(procs, timeout=150)
-  assert code0 == 2, out0[-2000:]
-  assert ("ringflash check: --seq_len=102 must be divisible by the number of global "
-          "devices, 4") in out0, out0[-2000:]
-  assert code1 != 0 and "max error" not in out1, out1[-2000:]
-  assert time.monotonic() - started < 120
+  procs = [start_process(i, 2, port, *(a.format(tmp=tmp_path) for a in args),
+                         command=command) for i, args in enumerate((first, second))]
+  for i, (code, out) in enumerate(finish(procs, timeout=150)):
+    assert code == 2, out[-2000:]
+    assert (f"ringflash {command}: process {i}: the processes were given different settings "
+            f"(every process of a job must run the same command); {message}") in out, (
+                out[-2000:])
+    assert "Traceback" not in out and "max error" not in out and "step" not in out
+  assert time.monotonic() - started < 60
 
 
 def test_every_subcommand_is_a_joining_or_a_single_process_job():

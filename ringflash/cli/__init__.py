@@ -35,6 +35,18 @@ class UsageError(Exception):
   `ringflash <subcommand>: <message>` as one line and exits with status 2."""
 
 
+_command_flags: tuple[str, ...] = ()      # the running subcommand's own flags (run)
+
+
+def command_flags(*, exclude=()) -> dict:
+  """{"--name": value} of the running subcommand's own flags (those its define_flags added
+  to absl's FLAGS in run), as parsed, less `exclude`: what the processes of a launched job
+  must agree on (launch.distributed.check_same_settings)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  return {f"--{name}": flags.FLAGS[name].value for name in _command_flags
+          if name not in exclude}
+
+
 def define_float(name: str, default: float, help_: str, **kwargs) -> None:
   """absl's DEFINE_float (same arguments) for a flag that takes finite numbers only.
 
@@ -90,11 +102,13 @@ def run(argv: list[str] | None = None) -> None:
   module = importlib.import_module(SUBCOMMANDS[name][0])
   before = set(flags.FLAGS)
   module.define_flags()
+  global _command_flags
+  _command_flags = tuple(sorted(set(flags.FLAGS) - before))
   own = argv[2:argv.index("--")] if "--" in argv else argv[2:]   # after "--": a job's
   if any(a in ("-h", "--help") for a in own):
     # Every flag the subcommand defined (in whichever module: train's are in
     # launch/train_flags.py, finite floats in this one), and absl's that it reads.
-    names = sorted(set(flags.FLAGS) - before) + list(getattr(module, "ABSL_FLAGS", ()))
+    names = list(_command_flags) + list(getattr(module, "ABSL_FLAGS", ()))
     print(f"usage: ringflash {name} [--flags]   ({SUBCOMMANDS[name][1]})\n")
     if module.__doc__:
       print(module.__doc__.strip() + "\n")

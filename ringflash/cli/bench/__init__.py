@@ -58,6 +58,7 @@ import jax
 from absl import flags
 
 from ringflash.cli import UsageError
+from ringflash.cli import command_flags
 from ringflash.cli.bench import harness
 
 FLAGS = flags.FLAGS
@@ -299,6 +300,9 @@ def main(argv):
 
   distributed.initialize()      # a multi-process job (RINGFLASH_* set) joins before any device use
   with distributed.exit_promptly_on_error("bench"):
+    # Processes started by hand may differ (another --mode or --seq_lens would leave a peer
+    # waiting in a collective); --out and --hlo_dir are each process's own.
+    distributed.agree_on_settings("bench", command_flags(exclude=("out", "hlo_dir")))
     check_devices(FLAGS, jax.devices(), given=given)
     # Last, as checking a folder creates it.
     for name in ("out", "hlo_dir"):
