@@ -104,6 +104,9 @@ class KVCache:
     """
     if not isinstance(mesh, Mesh):
       raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    # As every method checks it: a cache made here under another context mesh would fail
+    # in JAX's jit below (other devices), or be refused by each later call (Explicit axes).
+    _mesh.check_context(mesh, _CONTEXT_REMEDY)
     axis_name = _mesh.frozen(axis_name)
     batch_axis = _mesh.frozen(batch_axis)
     p = _ring_size(mesh, axis_name)

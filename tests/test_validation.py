@@ -291,9 +291,19 @@ def test_mesh_none_takes_the_context_mesh_and_another_mesh_there_is_named():
       ringflash.decode_attention(q[:, :1], k, v, cache_lengths=jnp.full((B,), T, jnp.int32),
                                  mesh=auto)
   cache = ringflash.KVCache.create(B, T, K, H, mesh=auto, dtype=jnp.float32)
+  half = jax.make_mesh((4,), ("sp",), devices=jax.devices()[:4])
   with jax.set_mesh(mesh):
+    # create too: it made a cache that every later call refused (Explicit context axes), or
+    # failed in JAX's jit (the context mesh on other devices, below)
     for use in (lambda: cache.prefill(k, v), lambda: cache.append(k[:, :1], v[:, :1]),
-                lambda: cache.attention(q[:, :1])):
+                lambda: cache.attention(q[:, :1]),
+                lambda: ringflash.KVCache.create(B, T, K, H, mesh=auto, dtype=jnp.float32)):
+      with pytest.raises(ValueError, match="is not the context mesh .*: that is the cache's "
+                                           "mesh; create the cache on the context mesh"):
+        use()
+  with jax.set_mesh(half):
+    for use in (lambda: cache.attention(q[:, :1]),
+                lambda: ringflash.KVCache.create(B, T, K, H, mesh=auto, dtype=jnp.float32)):
       with pytest.raises(ValueError, match="is not the context mesh .*: that is the cache's "
                                            "mesh; create the cache on the context mesh"):
         use()
