@@ -88,11 +88,25 @@ def check_flag(name: str, value) -> bool:
 
 
 def array_shape(x, name):
+  """(shape, dtype) of an array argument, its sizes concrete.
+
+  Raises:
+    ValueError: `x` is not an array.
+    NotImplementedError: a size is symbolic (jax.export's shape polymorphism): tiles, ring
+      steps and padding are chosen from the sizes, so each must be known when tracing.
+  """
   shape = getattr(x, "shape", None)
   dtype = getattr(x, "dtype", None)
   if shape is None or dtype is None:
     raise ValueError(f"{name} must be an array, got {type(x).__name__}")
-  return tuple(shape), jnp.dtype(dtype)
+  shape = tuple(shape)
+  symbolic = [str(d) for d in shape if not isinstance(d, (int, np.integer))]
+  if symbolic:
+    raise NotImplementedError(
+        f"{name} has symbolic (shape-polymorphic) size(s) {', '.join(symbolic)} in shape "
+        f"({', '.join(map(str, shape))}): ringflash chooses tiles, ring steps and padding from "
+        f"the sizes, so it needs concrete ones; export with concrete shapes")
+  return shape, jnp.dtype(dtype)
 
 
 INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)

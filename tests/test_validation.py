@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -329,3 +331,32 @@ def test_second_derivatives_run_on_xla_and_name_the_pallas_backend_that_has_none
                                                 "derivatives only.*backend='xla'"):
     outer(lambda q: ringflash.ring_attention(q, key, v, mesh=mesh, is_causal=True,
                                              backend="pallas_tpu"))
+
+
+@pytest.mark.parametrize("dims", ["b", "8*u"])
+def test_symbolic_sizes_of_jax_export_are_refused_by_name(dims):
+  """jax.export with a shape-polymorphic batch or sequence failed inside JAX (an
+  inconclusive dimension comparison, or a tracer made a bool) wherever a size first met a
+  comparison; now the entry points name the argument and ask for concrete shapes."""
+  from jax import export  # pylint: disable=g-import-not-at-top
+  d, = export.symbolic_shape(dims)
+  b, t = (d, T) if dims == "b" else (B, d)
+  mesh = helpers.mesh_of(8)
+  q, key, v = (jax.ShapeDtypeStruct((b, t, heads, H), jnp.float32) for heads in (N, K, K))
+  message = rf"query has symbolic \(shape-polymorphic\) size\(s\) {re.escape(dims)} in shape"
+  calls = [lambda q, key, v: ringflash.ring_attention(q, key, v, mesh=mesh, is_causal=True),
+           lambda q, key, v: ringflash.ring_attention(q, key, v, mesh=mesh, backend="xla",
+                                                      strategy="ring")]
+  if dims == "b":
+    calls.append(lambda q, key, v: ringflash.decode_attention(
+        q[:, :1], key, v, cache_lengths=jnp.full((q.shape[0],), T, jnp.int32), mesh=mesh))
+  for call in calls:
+    with pytest.raises(NotImplementedError, match=message):
+      export.export(jax.jit(call))(q, key, v)
+  # concrete shapes export, and the exported call is ring attention
+  seq = jax.sharding.NamedSharding(mesh, P(None, "sp"))   # an export for the 8 devices
+  concrete = [jax.device_put(jax.random.normal(jax.random.PRNGKey(i), (B, T, heads, H)), seq)
+              for i, heads in enumerate((N, K, K))]
+  exported = export.export(jax.jit(calls[0]))(*concrete)
+  np.testing.assert_allclose(np.asarray(exported.call(*concrete)),
+                             np.asarray(calls[0](*concrete)), rtol=1e-6, atol=1e-6)
