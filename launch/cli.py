@@ -105,7 +105,8 @@ TARGET_FLAGS = {
 JOINING_JOBS = ("bench", "check", "train")
 SINGLE_PROCESS_JOBS = ("demo", "plan", "generate")
 
-CHECKED_JOBS = {"check": "ringflash.launch.check", "train": "ringflash.launch.train"}
+CHECKED_JOBS = {"bench": "ringflash.cli.bench", "check": "ringflash.launch.check",
+                "train": "ringflash.launch.train"}
 
 
 # absl's help flags (absl.app): parsed in the launcher they would print the launcher's help.
@@ -148,7 +149,7 @@ def check_job(job: list[str], *, devices: int | None, processes: int = 1) -> Non
     processes: the job's processes, each holding devices / processes of them.
 
   Raises:
-    UsageError: the job is not a ringflash subcommand, or (check, train) one of its flags
+    UsageError: the job is not a ringflash subcommand, or (bench, check, train) one of its flags
       is wrong, exactly as the job would say it.
   """
   name = job[0]
@@ -182,7 +183,7 @@ def check_job(job: list[str], *, devices: int | None, processes: int = 1) -> Non
     if len(rest) > 1:
       raise UsageError(f"takes flags only, got the argument(s) {' '.join(rest[1:])}")
     parsed = module.job_from_flags(values, folders=devices is not None)
-    if devices is not None:
+    if devices is not None and parsed is not None:     # bench's need the devices themselves
       module.check_devices(parsed.config, devices, processes)
   except (flags.Error, UsageError) as err:
     raise UsageError(f"job {name}: {err}") from None

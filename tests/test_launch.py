@@ -555,6 +555,11 @@ def test_every_subcommand_is_a_joining_or_a_single_process_job():
                                          "`ringflash train --help` for the flags of train"),
     (["local", "--", "check", "--helpfull"], "job check: --helpfull is not for a launched job"),
     (["local", "--", "bench", "-h"], "job bench: -h is not for a launched job"),
+    # both processes were started, and each refused it: the launcher saw a lost process
+    (["local", "--processes=2", "--devices-per-process=1", "--", "bench", "--seq_lens=0"],
+     "job bench: --seq_lens takes integers >= 1, got '0'"),
+    (["local", "--", "bench", "--mode=decode", "--layout=zigzag"],
+     "job bench: --layout applies to --mode=scaling | longest, not --mode=decode"),
     # each process ran its own copy, alone
     (["local", "--", "generate"], "job generate: `ringflash generate` runs in one process and "
                                   "joins no launched job; run it directly (the jobs that join: "

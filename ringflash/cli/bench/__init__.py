@@ -67,50 +67,54 @@ MODES = ("kernels", "features", "virtual", "layouts", "scaling", "longest", "str
          "decode")
 
 
-def define_flags() -> None:
-  """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
-  before parsing; importing the module (as tests do) defines nothing."""
-  flags.DEFINE_enum("mode", "kernels", list(MODES), "what to run")
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+  """Defines this command's flags on `flag_values` (absl's FLAGS by default). The ringflash
+  command calls it once before parsing; importing the module (as tests do) defines nothing.
+  `ringflash launch` defines them on a FlagValues of its own to check a job's flags before
+  it starts any process (job_from_flags)."""
+  fv = {"flag_values": flag_values}
+  flags.DEFINE_enum("mode", "kernels", list(MODES), "what to run", **fv)
   flags.DEFINE_list("seq_lens", ["4096", "16384", "65536"],
                     "sequence lengths, every mode but decode (kernels: T = S; virtual, "
-                    "scaling: per device)")
-  flags.DEFINE_integer("heads", 16, "query heads N")
-  flags.DEFINE_list("kv_heads", ["16", "4"], "kv heads K per row group (16:4 = GQA)")
-  flags.DEFINE_integer("head_dim", 128, "head dim H")
-  flags.DEFINE_integer("batch", 1, "batch B")
+                    "scaling: per device)", **fv)
+  flags.DEFINE_integer("heads", 16, "query heads N", **fv)
+  flags.DEFINE_list("kv_heads", ["16", "4"], "kv heads K per row group (16:4 = GQA)", **fv)
+  flags.DEFINE_integer("head_dim", 128, "head dim H", **fv)
+  flags.DEFINE_integer("batch", 1, "batch B", **fv)
   flags.DEFINE_list("causal", ["false", "true"],
-                    "kernels, features, scaling, strategies: causal settings to run")
-  flags.DEFINE_list("impls", list(harness.IMPLEMENTATIONS), "kernels: implementations")
-  flags.DEFINE_integer("xla_max_len", 16384, "kernels, features: skip the xla backend above this T")
-  flags.DEFINE_list("gqa_seq_lens", ["16384"], "kernels: sequence lengths of the GQA rows")
+                    "kernels, features, scaling, strategies: causal settings to run", **fv)
+  flags.DEFINE_list("impls", list(harness.IMPLEMENTATIONS), "kernels: implementations", **fv)
+  flags.DEFINE_integer("xla_max_len", 16384, "kernels, features: skip the xla backend above "
+                       "this T", **fv)
+  flags.DEFINE_list("gqa_seq_lens", ["16384"], "kernels: sequence lengths of the GQA rows", **fv)
   flags.DEFINE_integer("warmup", 2, "every mode but longest (which runs each length once): "
-                       "untimed calls, at least one (the first call compiles)")
+                       "untimed calls, at least one (the first call compiles)", **fv)
   flags.DEFINE_integer("iters", 5, "every mode but longest: timed calls (median); kernels "
-                       "mode: rounds")
-  flags.DEFINE_list("ring_sizes", ["2", "4", "8"], "virtual, layouts: ring sizes P")
-  flags.DEFINE_string("out", "bench_out", "folder for JSON and PNG")
+                       "mode: rounds", **fv)
+  flags.DEFINE_list("ring_sizes", ["2", "4", "8"], "virtual, layouts: ring sizes P", **fv)
+  flags.DEFINE_string("out", "bench_out", "folder for JSON and PNG", **fv)
   flags.DEFINE_bool("backward", True,
-                    "kernels, features, scaling, strategies: also time forward+backward")
+                    "kernels, features, scaling, strategies: also time forward+backward", **fv)
   flags.DEFINE_enum("layout", "zigzag", ["contiguous", "zigzag", "striped"],
-                    "scaling (with a causal row), longest: layout of the causal rows")
+                    "scaling (with a causal row), longest: layout of the causal rows", **fv)
   flags.DEFINE_string("hlo_dir", "", "scaling, on 2 or more devices: write each ring "
-                      "program's compiled HLO here")
+                      "program's compiled HLO here", **fv)
   option = harness.OVERLAP_OPTION
   flags.DEFINE_integer("collectives_in_flight", harness.default_collectives_in_flight(),
                        "scaling, longest, on GPUs: how many collectives XLA may keep in "
                        f"flight at once (its option {option}); 0 leaves XLA's default, one",
-                       lower_bound=0)
+                       lower_bound=0, **fv)
   flags.DEFINE_integer("run_max_len", 1 << 20, "longest: run (not only compile) total "
-                       "lengths T up to this")
+                       "lengths T up to this", **fv)
   flags.DEFINE_list("cache_lens", ["131072", "524288", "1048576"],
-                    "decode: tokens in the cache (over all devices)")
-  flags.DEFINE_integer("new_tokens", 1, "decode: query tokens t per step")
+                    "decode: tokens in the cache (over all devices)", **fv)
+  flags.DEFINE_integer("new_tokens", 1, "decode: query tokens t per step", **fv)
   flags.DEFINE_list("variants", ["plain", "sinks", "softcap", "mla", "h80", "h96"],
-                    "features: the variants to run (plain, sinks, softcap, mla, h80, h96)")
+                    "features: the variants to run (plain, sinks, softcap, mla, h80, h96)", **fv)
   flags.DEFINE_integer("ulysses_size", 2, "strategies: devices of the hybrid strategy's "
                        "Ulysses axis (the devices as (P / U, U)), a divisor of P below P; 0 "
                        "leaves hybrid out (so does the default 2 where it does not fit: on "
-                       "1, 2 or an odd number of devices)", lower_bound=0)
+                       "1, 2 or an odd number of devices)", lower_bound=0, **fv)
 
 
 # The flags that only some modes read, and those modes: given on the command line with any
@@ -263,6 +267,19 @@ def _check_feature_rows(f, given=()) -> None:
                      f"{','.join(f.variants)} has no mla")
 
 
+def given_flags(f) -> list[str]:
+  """The flags of check_flags' `given` that the command line set."""
+  return [name for name in (*MODE_FLAGS, "head_dim") if f[name].present]
+
+
+def job_from_flags(values: flags.FlagValues, *, folders: bool = True) -> None:
+  """check_flags for `ringflash launch`, which checks a job's flags before it starts any
+  process (as it does those of check and train). What the devices can refute, and the
+  folders, are the processes' (check_devices, main)."""
+  del folders
+  check_flags(values, given=given_flags(values))
+
+
 def check_devices(f, devices: list, given=()) -> None:
   """Checks what only the job's devices can refute, before anything compiles.
 
@@ -294,7 +311,7 @@ def check_devices(f, devices: list, given=()) -> None:
 def main(argv):
   """Checks the flags, runs the mode, writes bench_<mode>.json (and the kernels plot)."""
   del argv
-  given = [name for name in (*MODE_FLAGS, "head_dim") if FLAGS[name].present]
+  given = given_flags(FLAGS)
   check_flags(FLAGS, given=given)
   from ringflash.launch import distributed  # pylint: disable=g-import-not-at-top
 
