@@ -243,3 +243,17 @@ def test_help_lists_every_flag_of_the_subcommand(sub, names):
   for name in names:
     assert f"\n  {name}: " in done.stdout, (name, done.stdout[-3000:])
   assert "(default: " in done.stdout and f"`ringflash {sub}" in done.stdout
+
+
+@pytest.mark.parametrize("sub", ["train", "bench"])
+def test_help_into_a_closed_pipe_ends_without_a_traceback(sub):
+  """`ringflash train --help | head -1`: the reader gone, the help's writes raised
+  BrokenPipeError, and Python printed its traceback. Here the pipe is closed before the
+  command writes anything."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.Popen([sys.executable, "-m", "ringflash.cli", sub, "--help"], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc.stdout.close()
+  err = proc.stderr.read()
+  assert proc.wait(timeout=120) == 1
+  assert err == "", err[-2000:]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import sys
 import textwrap
 
@@ -83,7 +84,16 @@ def _fail(name: str, message: str) -> None:
 
 def run(argv: list[str] | None = None) -> None:
   """Entry point of the console script."""
-  argv = list(sys.argv if argv is None else argv)
+  try:
+    _run(list(sys.argv if argv is None else argv))
+  except BrokenPipeError:
+    # The reader of stdout went away (`ringflash train --help | head`): nothing more can be
+    # said, and Python's own flush at exit would fail again, so stdout goes to /dev/null.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(1)
+
+
+def _run(argv: list[str]) -> None:
   if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
     print(_usage())
     sys.exit(0 if len(argv) >= 2 else 2)
