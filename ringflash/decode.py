@@ -298,12 +298,21 @@ def prepare(call: _Call, *, options: _Options, ring_size: int, device) -> (
       reasons.append(reason)
       continue
 
-    def spec(rows, kernel=kernel, chunks=chunks):
-      return _validate.resolve_spec(kernel, problem(rows, kv_len // chunks), scale=call.scale,
-                                    block_sizes=options.block_sizes)
+    def spec(rows, what, kernel=kernel, chunks=chunks):
+      try:
+        return _validate.resolve_spec(kernel, problem(rows, kv_len // chunks),
+                                      scale=call.scale, block_sizes=options.block_sizes)
+      except ValueError as err:
+        # The lengths it names are the kernel's, which no argument states.
+        raise ValueError(f"{err}; in decoding, the kernel's query rows are {what} and its "
+                         f"keys a device's {kv_len} cache slots in {chunks} run(s) of "
+                         f"{kv_len // chunks}") from None
 
+    core_rows = f"t x N / K = {call.t} x {group}, {rows_core} with padding"
+    band_rows = f"N / K = {group}, {rows_band} with padding"
     return decode_parallel.DecodeSpec(
-        core=spec(rows_core), band=spec(rows_band) if call.t > 1 else None, backend=name,
+        core=spec(rows_core, core_rows),
+        band=spec(rows_band, band_rows) if call.t > 1 else None, backend=name,
         axis_name=options.axis_name, size=ring_size, t=call.t, group=group,
         rows_core=rows_core, rows_band=rows_band, window_left=call.window_left,
         strategy=options.strategy, guard=not options.guarded, chunks=chunks)

@@ -175,6 +175,23 @@ def test_rows_without_a_key_give_zero():
   assert bool(jnp.all(jnp.isfinite(out[1])))
 
 
+@pytest.mark.parametrize("t,message", [
+    (1, "block_sizes.block_q=2 must divide the local length 3 (backend 'xla'); in decoding, "
+        "the kernel's query rows are t x N / K = 1 x 3, 3 with padding and its keys a "
+        "device's 16 cache slots in 1 run(s) of 16"),
+    (3, "the kernel's query rows are N / K = 3, 3 with padding"),
+])
+def test_block_sizes_that_do_not_fit_name_the_kernels_lengths(t, message):
+  """The kernel's lengths in decoding (query rows t x N / K, keys a device's share of the
+  cache) are no argument's: the error quoted "the local length 3" and said nothing else."""
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(5, 2, t, 64, 6, 2, 8)
+  sizes = ringflash.XlaBlockSizes(block_q=2 if t == 1 else 9, block_k=8)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    ringflash.decode_attention(q, *_sharded(mesh, key, v), mesh=mesh, backend="xla",
+                               cache_lengths=jnp.array([20, 64], jnp.int32), block_sizes=sizes)
+
+
 def test_lengths_and_positions_past_int32_keep_their_meaning():
   """cache_lengths of int64 2**32 + 20 or uint32 2**31 + 20 mean "every slot" (they wrapped to
   20 or below 0); a cache position of int64 2**32 + 3 is a free slot (it wrapped to 3, a slot
