@@ -210,7 +210,8 @@ class KVCache:
     Raises:
       ValueError: naming the argument; also, outside jit, when a row would fill more than
         max_len slots. Inside jit that cannot be seen: tokens past the capacity are not
-        written (the caller sizes the cache).
+        written, `used` records them, and every later attention of that row gives NaN
+        (never a finite answer that silently lacks those tokens).
     """
     b, _, kh, h = self.k.shape
     hv = self.v.shape[-1]
@@ -242,16 +243,25 @@ class KVCache:
     pass over the cache precedes the kernels.
 
     Returns:
-      out [B, t, N, Hv] in query's dtype (and lse [B, N, t] with return_residual).
+      out [B, t, N, Hv] in query's dtype (and lse [B, N, t] with return_residual). NaN in
+      every token of a row that lost tokens to an append past max_len under jit (its `used`
+      exceeds max_len): the cache no longer holds what the row has seen.
     """
     options = decode._Options(
         axis_name=self.axis_name, scale=scale, logits_soft_cap=logits_soft_cap,
         local_window_size=_mesh.frozen(local_window_size),
         backend=backend, block_sizes=block_sizes, return_residual=return_residual,
         strategy=strategy, guarded=True)
-    return decode.run(query, self.k, self.v, self.lengths, self.positions, sinks,
-                      mesh=self.mesh, options=options, batch_axis=self.batch_axis,
-                      remedy=_CONTEXT_REMEDY)
+    result = decode.run(query, self.k, self.v, self.lengths, self.positions, sinks,
+                        mesh=self.mesh, options=options, batch_axis=self.batch_axis,
+                        remedy=_CONTEXT_REMEDY)
+    lost = self.used > self.max_len                  # [B]
+
+    def spoiled(x):                                  # out and lse lead with the batch
+      return jnp.where(lost.reshape(lost.shape + (1,) * (x.ndim - 1)),
+                       jnp.asarray(jnp.nan, x.dtype), x)
+
+    return tuple(map(spoiled, result)) if return_residual else spoiled(result)
 
 
 # Under jax.set_mesh of another mesh: the cache's own mesh is the one named.

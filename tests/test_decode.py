@@ -359,6 +359,35 @@ def test_cache_prefill_and_appends_under_jit_with_donation(ring):
   assert filled.max() - filled.min() <= 1, filled
 
 
+@pytest.mark.parametrize("ring", [1, 4])
+def test_cache_overflow_under_jit_makes_the_attention_nan(ring):
+  """An append past max_len under jit cannot raise: the tokens past the capacity are not
+  written. The later attention was a finite answer without them; it is now NaN (out and
+  lse, every token of every row past its capacity). Slots count per row as `used` (a
+  prefill's padding fills slots too), so both rows here overflow at the second append."""
+  mesh = helpers.mesh_of(ring)
+  n, k, h, s_max = 4, 2, 8, 16
+  q, key, v = _inputs(9, 2, 20, 20, n, k, h)
+  cache = ringflash.KVCache.create(2, s_max, k, h, mesh=mesh, dtype=jnp.float32)
+  cache = cache.prefill(*_sharded(mesh, key[:, :12], v[:, :12]), jnp.array([12, 7]))
+  step = jax.jit(lambda c, kn, vn: c.append(kn, vn))
+  attend = jax.jit(lambda c, q: c.attention(q, return_residual=True))
+  lengths = np.array([12, 7])
+  for overflows in (False, True):               # 15 of 16 slots used, then 18
+    cache = step(cache, _new_tokens(key, lengths, 3), _new_tokens(v, lengths, 3))
+    lengths = lengths + 3
+    qn = _new_tokens(q, lengths - 2, 2)
+    out, lse = attend(cache, qn)
+    if overflows:
+      assert bool(jnp.all(jnp.isnan(out))) and bool(jnp.all(jnp.isnan(lse)))
+    else:
+      _close((out, lse), _reference(qn, key[:, :15], v[:, :15], lengths))
+  # eagerly, such an append is refused
+  with pytest.raises(ValueError, match="appending t=3 tokens overflows the cache: a row has "
+                                       "18 of its max_len=16 slots filled"):
+    cache.append(_new_tokens(key, lengths - 3, 3), _new_tokens(v, lengths - 3, 3))
+
+
 def test_cache_positions_follow_the_slot_order():
   """P = 4, prefill of 8 tokens: device 1 holds 2, 3; tokens 8..12 go to devices 0, 1, 2, 3, 0
   (the worked example of ringflash/kvcache.py)."""
