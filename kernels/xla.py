@@ -200,6 +200,10 @@ def backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
         dt = _slice(delta, i * bq, bq, 3)
         sc = base.capped(jnp.einsum("bqkgh,bskh->bkgqs", qt, kt, precision=prec,
                                     preferred_element_type=jnp.float32) * spec.scale, spec)
+        # The scores as the forward made them (a product of its own, as there): fused into
+        # the exponent, XLA sums the product in another order, and at scores near 1e9 the
+        # two roundings put s - lse far above 0 (exp: inf, then NaN).
+        sc = lax.optimization_barrier(sc)
         keep = valid[:, None, None] & okt[..., None]
         p = jnp.where(keep, jnp.exp(sc - lt[..., None]), 0.0)          # [B, K, G, bq, bk]
         dvt = dvt + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(v.dtype), dot, precision=prec,
