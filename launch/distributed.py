@@ -186,16 +186,21 @@ def check_same_across_processes(arrays) -> None:
   described = _gather_json(mine, "arrays")
   if all(d == described[0] for d in described):
     return
+  lines = _differences(described, lambda p: "missing" if p is None else f"{tuple(p[0])} {p[1]}")
+  raise InputsDifferError("inputs differ across processes (every process must pass the "
+                          "same shapes and dtypes before ring attention runs); "
+                          + "; ".join(lines))
+
+
+def _differences(described: list[dict], show) -> list[str]:
+  """"name: process 0: show(value), process 1: ..." for each name whose value differs
+  across the processes' `described` (None where a process has no such name)."""
   lines = []
   for name in sorted(set().union(*described)):
     per = [d.get(name) for d in described]
     if any(p != per[0] for p in per):
-      got = ", ".join(f"process {i}: " + ("missing" if p is None else f"{tuple(p[0])} {p[1]}")
-                      for i, p in enumerate(per))
-      lines.append(f"{name}: {got}")
-  raise InputsDifferError("inputs differ across processes (every process must pass the "
-                          "same shapes and dtypes before ring attention runs); "
-                          + "; ".join(lines))
+      lines.append(f"{name}: " + ", ".join(f"process {i}: {show(p)}" for i, p in enumerate(per)))
+  return lines
 
 
 class SettingsDifferError(ValueError):
@@ -218,11 +223,7 @@ def check_same_settings(settings: dict) -> None:
   described = _gather_json(settings, "settings")
   if all(d == described[0] for d in described):
     return
-  lines = []
-  for name in sorted(set().union(*described)):
-    per = [d.get(name, "(not given)") for d in described]
-    if any(p != per[0] for p in per):
-      lines.append(f"{name}: " + ", ".join(f"process {i}: {p}" for i, p in enumerate(per)))
+  lines = _differences(described, str)
   raise SettingsDifferError("the processes were given different settings (every process "
                             "of a job must run the same command); " + "; ".join(lines))
 
