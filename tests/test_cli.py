@@ -257,3 +257,14 @@ def test_help_into_a_closed_pipe_ends_without_a_traceback(sub):
   err = proc.stderr.read()
   assert proc.wait(timeout=120) == 1
   assert err == "", err[-2000:]
+
+
+def test_valid_flags_past_the_devices_memory_are_one_line():
+  """A length the host cannot hold: the runtime's RESOURCE_EXHAUSTED came with some 40 lines
+  of traceback through JAX; now its message in one line, and status 1 (no flag is wrong)."""
+  run = _run("demo", "--seq_len=2147483648", "--reference_chunk=2147483648")
+  assert run.returncode == 1, run.stderr[-2000:]
+  assert "Traceback" not in run.stderr, run.stderr[-3000:]
+  assert run.stderr.splitlines()[-1].startswith(
+      "ringflash demo: out of memory: RESOURCE_EXHAUSTED: Out of memory allocating"), (
+          run.stderr[-2000:])

@@ -139,5 +139,13 @@ def _run(argv: list[str]) -> None:
       return module.main(args)
     except UsageError as err:
       _fail(name, err)
+    except Exception as err:  # pylint: disable=broad-except
+      # Flags that are valid but ask for more memory than the devices have: the runtime's
+      # message in one line, without the traceback through JAX.
+      if type(err).__name__ == "JaxRuntimeError" and "RESOURCE_EXHAUSTED" in str(err):
+        first = " ".join(str(err).split())
+        print(f"ringflash {name}: out of memory: {first}", file=sys.stderr, flush=True)
+        sys.exit(1)
+      raise
 
   app.run(main, argv=[f"ringflash {name}"] + argv[2:], flags_parser=parse)
