@@ -13,7 +13,9 @@ alone is the same in every measured row) from:
              sequence (Ulysses); plus T0 per kernel call (launch, pipeline fill);
   transfers  bytes over a per-device bandwidth: the ring's per-step K/V (and dK/dV, float32,
              in the backward) overlap the step's kernel, so a step costs the larger of the
-             two; all-to-alls (Ulysses) and all-gathers (all-gather) are not overlapped;
+             two; the ring runs the steps of its plan (fewer than P where a window stops it,
+             none moving anything at one step); all-to-alls (Ulysses) and all-gathers
+             (all-gather) are not overlapped;
   memory     the arrays each strategy holds per device beyond the common ones (q, k, v, out,
              their gradients): the ring's two K/V blocks in flight and float32 accumulators,
              the all-gather's whole-sequence K/V (and float32 dK/dV), Ulysses' head-sharded
@@ -144,28 +146,39 @@ def estimate(strategy: str, call, axes, plat: Platform) -> Estimate:
   f = _valid_fraction(call)
   flops = 3.5 * 2 * b * n * t * s * (h + hv) * f / p   # per device
 
+  causal_share = 0.5 if call.is_causal else 1.0
+  reach = None if call.window is None else call.window[0] + call.window[1] + 1
+
   def kernel_time(key_range: float, calls: int, share: float = 1.0) -> float:
     # A call's efficiency follows the keys each query row really meets (half the range with
-    # a causal mask): a causal ring hop is shorter work than a non-causal one.
-    eff = key_range * f / (key_range * f + plat.l0)
+    # a causal mask): a causal ring hop is shorter work than a non-causal one. With a window,
+    # at most its reach, in a ring hop as in one call over the whole sequence.
+    met = key_range * causal_share if reach is None else min(key_range * causal_share, reach)
+    eff = met / (met + plat.l0)
     return share * flops / (plat.rate * eff) + calls * plat.t0
 
-  def ring_steps(members: int, rows: float, keys: float, heads: int, kv_heads: int) -> float:
+  def ring_steps(members: int, rows: float, keys: float, heads: int, kv_heads: int,
+                 steps: int | None = None) -> float:
     # Each step: a kernel on one member's keys, the merge of its (o, lse) into float32
     # accumulators (forward) or the float32 dQ, dK, dV sums (backward); forward moves K/V,
     # backward K/V and the float32 dK/dV; a step costs the larger of kernel and transfer.
+    # `steps`: the hops the ring runs (a window truncates it, _ring_steps); the work is the
+    # same, spread over them, and a ring of one step moves nothing.
+    steps = members if steps is None else steps
+    moves = 1.0 if steps > 1 else 0.0
     block = b * keys * kv_heads * (h + hv) * e
     merge = b * rows * heads * hv * 16 / plat.hbm_bw
     sums = (b * rows * heads * h * 8 + b * keys * kv_heads * (h + hv) * 8) / plat.hbm_bw
-    step_fwd = max(kernel_time(keys, 1, 1 / 3.5 / members) + merge,
-                   block / plat.ring_bw)
-    step_bwd = max(kernel_time(keys, 1, 2.5 / 3.5 / members) + sums,
-                   block * (1 + 4 / e) / plat.ring_bw)
-    return members * (step_fwd + step_bwd)
+    step_fwd = max(kernel_time(keys, 1, 1 / 3.5 / steps) + merge,
+                   moves * block / plat.ring_bw)
+    step_bwd = max(kernel_time(keys, 1, 2.5 / 3.5 / steps) + sums,
+                   moves * block * (1 + 4 / e) / plat.ring_bw)
+    return steps * (step_fwd + step_bwd)
 
   kv_block = b * ls * k * (h + hv) * e                       # one device's K and V
   if strategy == "ring":
-    seconds = ring_steps(p, lt, ls, n, k) if p > 1 else kernel_time(s, 2)
+    seconds = (ring_steps(p, lt, ls, n, k, _ring_steps(call, p)) if p > 1
+               else kernel_time(s, 2))
     extra = 2 * kv_block + b * lt * n * (hv + h) * 4 + 2 * kv_block * 4 / e
   elif strategy == "allgather":
     gather = kv_block * (p - 1) / plat.collective_bw
@@ -186,6 +199,21 @@ def estimate(strategy: str, call, axes, plat: Platform) -> Estimate:
   else:
     raise ValueError(f"unknown strategy {strategy!r}")
   return Estimate(strategy, seconds, extra)
+
+
+def _ring_steps(call, p: int) -> int:
+  """The steps of the ring's plan (parallel/plan.py) for this call on P devices: all P
+  without a window; with one, as many as the window reaches (the contiguous layout), which
+  a ring charged with P steps of transfers made look slower than it is. The plan is taken
+  with a tile per zigzag chunk (or K/V half, bidirectional), coarser than the kernels', so
+  it keeps every hop theirs keeps."""
+  if call.window is None:
+    return p
+  from ringflash.parallel import plan  # pylint: disable=g-import-not-at-top
+  unit = 2 if call.layout == "zigzag" or call.bidirectional else 1
+  lt, ls = (-(-length // (p * unit)) * unit for length in (call.t, call.s))
+  return plan.plan_ring(call.layout, p, lt, ls, lt // unit, ls // unit, call.is_causal,
+                        call.window, call.bidirectional).steps
 
 
 def common_bytes(call, axes) -> float:

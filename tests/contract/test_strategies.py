@@ -230,3 +230,32 @@ def test_the_cost_model_sees_one_devices_batch_and_the_global_sequence(monkeypat
                                                                          axis_name="sp"),
                         mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)).lower(x, x, x)
   assert [(c.t, c.s) for c in seen] == [(64, 64)]
+
+
+@pytest.mark.parametrize("window,steps", [(None, 8), ((64, 0), 2), ((0, 0), 1)])
+def test_the_cost_model_charges_the_hops_the_ring_runs(window, steps):
+  """A window truncates the contiguous ring (parallel/plan.py): window (0, 0) runs one step
+  and moves nothing. The model charged P steps of K/V and dK/dV transfers whatever the
+  window, and took a row's keys in a hop as a share of the whole sequence's, so on the GPU
+  model "auto" took Ulysses (two all-to-alls) over a ring that moves nothing."""
+  from ringflash import _validate, introspect  # pylint: disable=g-import-not-at-top
+  from ringflash.parallel import cost  # pylint: disable=g-import-not-at-top
+  p, t = 8, 8 * 4096
+  x = jax.ShapeDtypeStruct((1, t, 8, 128), jnp.bfloat16)
+  call = _validate.check_call(x, x, x, ring_size=p, local=False, pads=True,
+                              local_window_size=window)
+  assert cost._ring_steps(call, p) == steps  # pylint: disable=protected-access
+  axes = _validate.SeqAxes(("sp",), (p,))
+  local = jax.ShapeDtypeStruct((1, t // p, 8, 128), jnp.bfloat16)
+  spec = introspect.ring_spec(local, local, local, ring_size=p, device=jax.devices()[0],
+                              local_window_size=window)
+  assert spec.plan(t // p, t // p).steps == steps       # the plan ring_attention runs
+  plat = cost.PLATFORMS["gpu"]
+  ring = cost.estimate("ring", call, axes, plat).seconds
+  if window is not None:      # striped: every hop meets the window, the ring runs 8 steps
+    striped = dataclasses.replace(call, layout="striped")
+    assert cost._ring_steps(striped, p) == 8  # pylint: disable=protected-access
+    assert ring < cost.estimate("ring", striped, axes, plat).seconds
+  if steps == 1:     # nothing moves: "auto" takes the ring over Ulysses' two all-to-alls
+    assert cost.choose(call, axes, platform="gpu").strategy == "ring"
+    assert ring < cost.estimate("ulysses", call, axes, plat).seconds
