@@ -217,6 +217,28 @@ def test_a_buffer_size_two_roles_share_is_named_as_either():
   assert half.role("f16", 8 * 2 * 16) == "other"
 
 
+def test_float32_inputs_count_their_accumulators_once_and_name_both_roles():
+  """With float32 inputs the fp32 accumulators are out and the gradients themselves: the
+  unavoidable figure added them again (13.02 GiB where the compiled step held 12.00 on
+  v6e:1x1), and every float32 buffer was named an accumulator or a gradient, even in a
+  forward that has none."""
+  b, t, n, k, h = 1, 8, 4, 1, 16                 # sizes apart: q 512, K/V 256, k 128, lse 32
+  train = compiler_memory.Shapes(batch=b, tokens=t, heads=n, kv_heads=k, head_dim=h,
+                                 dtype="float32", train=True)
+  qo, kv, lse = b * t * n * h, 2 * b * t * k * h, 4 * b * n * t
+  assert train.unavoidable() == 2 * (2 * qo + kv) * 4 + lse      # q k v out dout dq dk dv
+  forward = dataclasses.replace(train, train=False)
+  assert forward.unavoidable() == (2 * qo + kv) * 4 + lse        # q k v out
+  bf16 = dataclasses.replace(train, dtype="bfloat16")
+  assert bf16.unavoidable() == 2 * (2 * qo + kv) * 2 + lse + 4 * (qo + kv)
+  assert train.role("f32", kv) == ("K/V: held, in flight (f32); or dK/dV, fp32: accumulator, "
+                                    "in flight")
+  assert forward.role("f32", kv) == "K/V: held, in flight (f32)"
+  assert forward.role("f32", qo) == ("q, out (f32); or o, fp32: accumulator, or one hop's "
+                                     "kernel output")
+  assert forward.role("f32", b * n * t) == "row statistics (lse), fp32"
+
+
 def _report(**changes):
   report = {"topology": "v5p:2x2x2", "chips": 8, "devices": 8, "device_kind": "TPU v5",
             "backend": "pallas_tpu", "strategy": "ring", "mode": "train",

@@ -91,33 +91,37 @@ class Shapes:
   def unavoidable(self) -> int:
     """Bytes of the step's unavoidable arrays on one device: q, k, v, out, lse, and in
     training dout, dq, dk, dv (input dtype) and the fp32 accumulators of dq, dk and dv; in the
-    forward the fp32 accumulator of out."""
+    forward the fp32 accumulator of out. With float32 inputs the accumulators are out and
+    the gradients themselves, counted once."""
     b, t, n, k, h = self.batch, self.tokens, self.heads, self.kv_heads, self.head_dim
     isz = _HLO_TYPES[self.dtype][1]
     qo, kv, lse = b * t * n * h, 2 * b * t * k * h, 4 * b * n * t
+    acc = 0 if isz == 4 else 4                                 # bytes of a separate fp32 copy
     inputs = (2 * qo + kv) * isz + lse                         # q, k, v, out, lse
     if not self.train:
-      return inputs + 4 * qo                                   # + fp32 accumulator of out
-    return inputs + (2 * qo + kv) * isz + 4 * (qo + kv)        # + dout, grads, fp32 acc
+      return inputs + acc * qo                                 # + fp32 accumulator of out
+    return inputs + (2 * qo + kv) * isz + acc * (qo + kv)      # + dout, grads, fp32 acc
 
   def role(self, dtype: str, elements: int) -> str:
     """What a buffer of this dtype and size holds, by its size; every role of that size,
     when several have it (with N = K, dq is as large as dk)."""
     b, t, n, k, h = self.batch, self.tokens, self.heads, self.kv_heads, self.head_dim
     own = _HLO_TYPES[self.dtype][0]
-    roles = (   # (elements, as fp32, in the input dtype)
-        (b * t * n * h, "o or dq, fp32: accumulator, or one hop's kernel output",
-         "q, out, dout (or their copies)"),
-        (2 * b * t * k * h, "dK/dV, fp32: accumulator, in flight", "K/V: held, in flight"),
-        (b * t * k * h, "dk or dv, fp32", "k or v"),
-        (b * n * t, "row statistics (lse, D), fp32", "row statistics"),
+    train = self.train
+    roles = (   # (elements, as fp32 (None: none in a forward), in the input dtype)
+        (b * t * n * h, ("o or dq" if train else "o") + ", fp32: accumulator, or one hop's "
+         "kernel output", "q, out, dout (or their copies)" if train else "q, out"),
+        (2 * b * t * k * h, "dK/dV, fp32: accumulator, in flight" if train else None,
+         "K/V: held, in flight"),
+        (b * t * k * h, "dk or dv, fp32" if train else None, "k or v"),
+        (b * n * t, f"row statistics ({'lse, D' if train else 'lse'}), fp32",
+         "row statistics" if own != "f32" else None),
     )
+    found = []
+    if dtype == own:        # float32 inputs: either role
+      found += [f"{other} ({dtype})" for size, _, other in roles if size == elements and other]
     if dtype == "f32":
-      found = [fp32 for size, fp32, _ in roles if size == elements]
-    elif dtype == own:
-      found = [f"{other} ({dtype})" for size, _, other in roles if size == elements]
-    else:
-      found = []
+      found += [fp32 for size, fp32, _ in roles if size == elements and fp32]
     return "; or ".join(found) if found else "other"
 
 
