@@ -60,7 +60,8 @@ def flax_attention_fn(*, mesh: Mesh | None = None, axis_name: str = "sp",
   """An `attention_fn` for `flax.nnx.MultiHeadAttention` that runs ring_attention.
 
   Args:
-    mesh: the device mesh; None builds a 1-D mesh over jax.devices() named `axis_name`.
+    mesh: the device mesh; None takes the mesh of jax.set_mesh where one is set, else a
+      1-D mesh over jax.devices() named `axis_name` (as ring_attention's mesh=None).
     axis_name: the mesh axis (or tuple of axes) the sequence is sharded over.
     is_causal: mask keys after the query position (also when a call passes is_causal=True).
     scale, backend, block_sizes, local_window_size, bidirectional, logits_soft_cap,
