@@ -350,13 +350,29 @@ def _tile_counts(layout, ring_size, q_len, kv_len, block_q, block_k, causal, win
   return tiles
 
 
+def _positive(**values) -> None:
+  for name, value in values.items():
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
 def work_table(ring_size: int = 8, seq_len: int = 8192, block: int = 128, *,
                causal: bool = True, window: tuple[int, int] | None = None) -> dict:
   """Per-device tiles of each layout: {layout: [P] int array}, self-attention of seq_len.
 
   Block sizes: `block` for contiguous and striped; for zigzag the same `block` (it must
   divide the chunk seq_len / (2P)).
+
+  Raises:
+    ValueError: naming ring_size, seq_len or block.
   """
+  _positive(ring_size=ring_size, seq_len=seq_len, block=block)
+  if seq_len % (2 * ring_size):
+    raise ValueError(f"seq_len={seq_len} must be divisible by 2 x ring_size = {2 * ring_size} "
+                     f"(the zigzag layout's chunks)")
+  if (seq_len // (2 * ring_size)) % block:
+    raise ValueError(f"block={block} must divide the zigzag chunk seq_len / (2 x ring_size) = "
+                     f"{seq_len // (2 * ring_size)}")
   out = {}
   for layout in LAYOUTS:
     local = seq_len // ring_size
@@ -366,7 +382,15 @@ def work_table(ring_size: int = 8, seq_len: int = 8192, block: int = 128, *,
 
 
 def balance_block(seq_len: int, ring_size: int, cap: int = 512) -> int:
-  """A tile size that every layout's plan accepts: divides the zigzag chunk seq_len / 2P."""
+  """A tile size that every layout's plan accepts: divides the zigzag chunk seq_len / 2P.
+
+  Raises:
+    ValueError: naming seq_len, ring_size or cap.
+  """
+  _positive(seq_len=seq_len, ring_size=ring_size, cap=cap)
+  if seq_len < 2 * ring_size:
+    raise ValueError(f"seq_len={seq_len} must be at least 2 x ring_size = {2 * ring_size} "
+                     f"(a zigzag chunk of one token)")
   chunk = seq_len // (2 * ring_size)
   return max(d for d in range(1, min(cap, chunk) + 1) if chunk % d == 0)
 

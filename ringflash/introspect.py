@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ringflash import _validate
 from ringflash.kernels import BACKENDS as _BACKENDS
@@ -48,6 +49,9 @@ def ring_spec(query, key, value, *, ring_size: int, device, axis_name: str = "sp
   Raises:
     ValueError, NotImplementedError: as ring_attention_sharded.
   """
+  if not hasattr(device, "platform"):
+    raise ValueError(f"device must be a jax Device (one of the ring's), got "
+                     f"{type(device).__name__}")
   call = _validate.check_call(
       query, key, value, segment_ids=segment_ids, scale=scale, backend=backend,
       ring_size=ring_size, local=True, layout=layout, local_window_size=local_window_size,
@@ -59,14 +63,43 @@ def ring_spec(query, key, value, *, ring_size: int, device, axis_name: str = "sp
 
 
 def plan(ring: RingSpec, q_len: int, kv_len: int) -> RingPlan:
-  """The ring's static plan for local lengths (lanes, steps, tiles per hop)."""
+  """The ring's static plan for local lengths (lanes, steps, tiles per hop).
+
+  Raises:
+    ValueError: q_len or kv_len is not a multiple of the spec's tiles (of twice them where
+      the zigzag layout's chunks, or the bidirectional ring's K/V halves, split the shard).
+  """
+  for name, length, block, halves in (
+      ("q_len", q_len, ring.kernel.block_q, ring.layout == "zigzag"),
+      ("kv_len", kv_len, ring.kernel.block_k, ring.layout == "zigzag" or ring.bidirectional)):
+    unit = block * (2 if halves else 1)
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or (
+        length < 1 or length % unit):
+      raise ValueError(f"{name} must be a positive multiple of {unit} (the spec's tile of "
+                       f"{block}{', in each half of the shard' if halves else ''}), got "
+                       f"{length!r}")
   return ring.plan(q_len, kv_len)
 
 
 def held_source(ring: RingSpec, q_len: int, kv_len: int, device: int, step: int,
                 lane: int = 0) -> int:
-  """The ring index of the device whose K/V `device` holds at `step` on lane `lane`."""
-  return int(ring.plan(q_len, kv_len).lanes[lane].source(device, step, ring.ring_size))
+  """The ring index of the device whose K/V `device` holds at `step` on lane `lane`.
+
+  Raises:
+    ValueError: naming device (0 .. P - 1), lane (one of the plan's) or step (0 .. the
+      lane's last step), or as plan.
+  """
+  ring_plan = plan(ring, q_len, kv_len)
+  for name, value, upper in (("device", device, ring.ring_size),
+                             ("lane", lane, len(ring_plan.lanes))):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+        0 <= value < upper):
+      raise ValueError(f"{name} must be an int in 0 .. {upper - 1}, got {value!r}")
+  last = ring_plan.lanes[lane].last
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not (
+      0 <= step <= last):
+    raise ValueError(f"step must be an int in 0 .. {last} (lane {lane}'s steps), got {step!r}")
+  return int(ring_plan.lanes[lane].source(device, step, ring.ring_size))
 
 
 def device_steps(ring: RingSpec):

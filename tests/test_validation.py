@@ -360,3 +360,37 @@ def test_symbolic_sizes_of_jax_export_are_refused_by_name(dims):
   exported = export.export(jax.jit(calls[0]))(*concrete)
   np.testing.assert_allclose(np.asarray(exported.call(*concrete)),
                              np.asarray(calls[0](*concrete)), rtol=1e-6, atol=1e-6)
+
+
+def test_introspection_names_its_bad_arguments():
+  """ringflash.introspect (the programs' and scripts' interface): a device or step outside
+  the ring wrapped around silently (device 9 of 8 gave device 1's source), and lengths
+  that the tiles do not divide, a lane the plan lacks or no device ended in an
+  AssertionError, IndexError, ZeroDivisionError or AttributeError."""
+  from ringflash import introspect  # pylint: disable=g-import-not-at-top
+  local = jax.ShapeDtypeStruct((1, 256, 2, 16), jnp.float32)
+  ring = introspect.ring_spec(local, local, local, ring_size=8, device=jax.devices()[0],
+                              block_sizes=ringflash.XlaBlockSizes(block_q=128, block_k=128))
+  assert introspect.held_source(ring, 256, 256, device=2, step=1) == 1
+  for kwargs, message in (
+      ({"device": 8, "step": 0}, "device must be an int in 0 .. 7, got 8"),
+      ({"device": -1, "step": 0}, "device must be an int in 0 .. 7, got -1"),
+      ({"device": 0, "step": 8}, "step must be an int in 0 .. 7 (lane 0's steps), got 8"),
+      ({"device": 0, "step": 0, "lane": 1}, "lane must be an int in 0 .. 0, got 1")):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      introspect.held_source(ring, 256, 256, **kwargs)
+  with pytest.raises(ValueError, match=re.escape("q_len must be a positive multiple of 128 "
+                                                 "(the spec's tile of 128), got 100")):
+    introspect.plan(ring, 100, 256)
+  with pytest.raises(ValueError, match="device must be a jax Device"):
+    introspect.ring_spec(local, local, local, ring_size=8, device=None)
+  for call, message in (
+      (lambda: introspect.balance_block(8, 8), "seq_len=8 must be at least 2 x ring_size"),
+      (lambda: introspect.balance_block(64, 0), "ring_size must be an int >= 1, got 0"),
+      (lambda: introspect.balance_block(64, 8, cap=0), "cap must be an int >= 1, got 0"),
+      (lambda: introspect.work_table(8, 1000), "seq_len=1000 must be divisible by 2 x "
+                                               "ring_size = 16"),
+      (lambda: introspect.work_table(8, 1024, 128), "block=128 must divide the zigzag chunk "
+                                                    "seq_len / (2 x ring_size) = 64")):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      call()
