@@ -20,6 +20,7 @@ Failure handling, every wait bounded:
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import signal
@@ -59,6 +60,23 @@ def check_port(port: int) -> None:
 PLATFORMS = ("cpu", "gpu")
 
 
+@functools.lru_cache(maxsize=8)
+def _has_cuda_plugin(python: str) -> bool | str:
+  """Whether `python`'s JAX has a CUDA plugin (or why it could not be asked), asked once per
+  interpreter: the command line asks before it creates the log folder, launch() again."""
+  probe = ("import importlib.util, pkgutil\n"
+           "names = [m.name for m in pkgutil.iter_modules()]\n"
+           "spec = importlib.util.find_spec('jax_plugins')\n"
+           "names += [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)]"
+           " if spec else []\n"
+           "print(any('cuda' in n and ('plugin' in n or n.startswith('xla_')) for n in names))")
+  try:
+    return subprocess.run([python, "-c", probe], capture_output=True, text=True,
+                          timeout=60).stdout.strip() == "True"
+  except (OSError, subprocess.TimeoutExpired) as err:
+    return str(err)
+
+
 def gpu_problem(base: dict[str, str], needed: int, *, python: str = sys.executable,
                 dev: str = "/dev") -> str | None:
   """Why this machine cannot give `needed` GPUs to processes run by `python`, or None.
@@ -69,18 +87,10 @@ def gpu_problem(base: dict[str, str], needed: int, *, python: str = sys.executab
   sets CUDA_VISIBLE_DEVICES (whose own count process_env checks), how many NVIDIA device
   files /dev/nvidia<N> the machine has.
   """
-  probe = ("import importlib.util, pkgutil\n"
-           "names = [m.name for m in pkgutil.iter_modules()]\n"
-           "spec = importlib.util.find_spec('jax_plugins')\n"
-           "names += [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)]"
-           " if spec else []\n"
-           "print(any('cuda' in n and ('plugin' in n or n.startswith('xla_')) for n in names))")
-  try:
-    found = subprocess.run([python, "-c", probe], capture_output=True, text=True,
-                           timeout=60).stdout.strip()
-  except (OSError, subprocess.TimeoutExpired) as err:
-    return f"platform=gpu: cannot run {python} to look for JAX's CUDA plugin ({err})"
-  if found != "True":
+  found = _has_cuda_plugin(python)
+  if isinstance(found, str):
+    return f"platform=gpu: cannot run {python} to look for JAX's CUDA plugin ({found})"
+  if not found:
     return (f"platform=gpu: {python}'s JAX has no CUDA plugin (install jax[cuda12] or "
             f"jax[cuda13]), so its processes would find no GPU")
   if base.get("CUDA_VISIBLE_DEVICES", ""):

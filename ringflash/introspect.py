@@ -73,12 +73,15 @@ def plan(ring: RingSpec, q_len: int, kv_len: int) -> RingPlan:
       ("q_len", q_len, ring.kernel.block_q, ring.layout == "zigzag"),
       ("kv_len", kv_len, ring.kernel.block_k, ring.layout == "zigzag" or ring.bidirectional)):
     unit = block * (2 if halves else 1)
-    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or (
-        length < 1 or length % unit):
+    if not _is_int(length) or length < 1 or length % unit:
       raise ValueError(f"{name} must be a positive multiple of {unit} (the spec's tile of "
                        f"{block}{', in each half of the shard' if halves else ''}), got "
                        f"{length!r}")
   return ring.plan(q_len, kv_len)
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def held_source(ring: RingSpec, q_len: int, kv_len: int, device: int, step: int,
@@ -90,15 +93,12 @@ def held_source(ring: RingSpec, q_len: int, kv_len: int, device: int, step: int,
       lane's last step), or as plan.
   """
   ring_plan = plan(ring, q_len, kv_len)
-  for name, value, upper in (("device", device, ring.ring_size),
-                             ("lane", lane, len(ring_plan.lanes))):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
-        0 <= value < upper):
-      raise ValueError(f"{name} must be an int in 0 .. {upper - 1}, got {value!r}")
-  last = ring_plan.lanes[lane].last
-  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not (
-      0 <= step <= last):
-    raise ValueError(f"step must be an int in 0 .. {last} (lane {lane}'s steps), got {step!r}")
+  for name, value, upper, what in (("device", device, ring.ring_size, ""),
+                                   ("lane", lane, len(ring_plan.lanes), ""),
+                                   ("step", step, None, f" (lane {lane}'s steps)")):
+    upper = ring_plan.lanes[lane].last + 1 if upper is None else upper   # lane checked first
+    if not _is_int(value) or not 0 <= value < upper:
+      raise ValueError(f"{name} must be an int in 0 .. {upper - 1}{what}, got {value!r}")
   return int(ring_plan.lanes[lane].source(device, step, ring.ring_size))
 
 

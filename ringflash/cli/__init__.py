@@ -142,7 +142,9 @@ def _run(argv: list[str]) -> None:
     except Exception as err:  # pylint: disable=broad-except
       # Flags that are valid but ask for more memory than the devices have: the runtime's
       # message in one line, without the traceback through JAX.
-      if type(err).__name__ == "JaxRuntimeError" and "RESOURCE_EXHAUSTED" in str(err):
+      jax = sys.modules.get("jax")             # only JAX's runtime raises it
+      if (jax is not None and isinstance(err, jax.errors.JaxRuntimeError)
+          and "RESOURCE_EXHAUSTED" in str(err)):
         first = " ".join(str(err).split())
         print(f"ringflash {name}: out of memory: {first}", file=sys.stderr, flush=True)
         sys.exit(1)
