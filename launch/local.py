@@ -93,7 +93,7 @@ def gpu_problem(base: dict[str, str], needed: int, *, python: str = sys.executab
   if not found:
     return (f"platform=gpu: {python}'s JAX has no CUDA plugin (install jax[cuda12] or "
             f"jax[cuda13]), so its processes would find no GPU")
-  if base.get("CUDA_VISIBLE_DEVICES", ""):
+  if "CUDA_VISIBLE_DEVICES" in base:
     return None
   try:
     count = sum(1 for name in os.listdir(dev) if name[6:].isdigit() and
@@ -113,7 +113,8 @@ def process_env(base: dict[str, str], *, process_id: int, processes: int,
 
   cpu: `devices_per_process` simulated CPU devices (RINGFLASH_DEVICES_PER_PROCESS).
   gpu: GPUs `process_id * M .. (process_id + 1) * M - 1` of the machine, counted within
-  `base`'s CUDA_VISIBLE_DEVICES when it is set, become the process's CUDA_VISIBLE_DEVICES;
+  `base`'s CUDA_VISIBLE_DEVICES when it is set (set and empty: no GPU, as CUDA reads it), become
+  the process's CUDA_VISIBLE_DEVICES;
   collectives go through NCCL. XLA_FLAGS gains ringflash.options.GPU_XLA_OPTIONS, each unless it
   sets that option already. Everything else in `base` (NCCL_* included) is passed on.
 
@@ -134,8 +135,8 @@ def process_env(base: dict[str, str], *, process_id: int, processes: int,
     env.update({distributed.ENV_DEVICES_PER_PROCESS: str(devices_per_process),
                 "JAX_PLATFORMS": "cpu"})
     return env
-  visible = base.get("CUDA_VISIBLE_DEVICES", "")
-  gpus = ([g.strip() for g in visible.split(",") if g.strip()] if visible
+  visible = base.get("CUDA_VISIBLE_DEVICES")
+  gpus = ([g.strip() for g in visible.split(",") if g.strip()] if visible is not None
           else [str(i) for i in range(processes * devices_per_process)])
   if len(gpus) < processes * devices_per_process:
     raise ValueError(f"processes={processes} x devices_per_process={devices_per_process} "

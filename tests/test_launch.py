@@ -394,7 +394,10 @@ def test_gpu_processes_keep_the_callers_xla_flags():
 @pytest.mark.parametrize("kwargs,message", [
     ({"platform": "tpu"}, "platform must be one of ('cpu', 'gpu'), got 'tpu'"),
     ({"platform": "gpu", "base": {"CUDA_VISIBLE_DEVICES": "3"}},
-     "processes=2 x devices_per_process=1 GPUs needed, CUDA_VISIBLE_DEVICES='3' has 1")])
+     "processes=2 x devices_per_process=1 GPUs needed, CUDA_VISIBLE_DEVICES='3' has 1"),
+    # set and empty hides every GPU from CUDA: the processes would get GPU 0, 1 regardless
+    ({"platform": "gpu", "base": {"CUDA_VISIBLE_DEVICES": ""}},
+     "processes=2 x devices_per_process=1 GPUs needed, CUDA_VISIBLE_DEVICES='' has 0")])
 def test_launch_refuses_bad_platform_arguments_before_starting(tmp_path, kwargs, message,
                                                               monkeypatch):
   for name, value in kwargs.pop("base", {}).items():
@@ -407,14 +410,15 @@ def test_launch_refuses_bad_platform_arguments_before_starting(tmp_path, kwargs,
 
 
 @pytest.mark.parametrize("plugin,files,visible,needed,message", [
-    (False, ["nvidia0"], "", 1, "'s JAX has no CUDA plugin (install jax[cuda12] or "
-                                "jax[cuda13]), so its processes would find no GPU"),
+    (False, ["nvidia0"], None, 1, "'s JAX has no CUDA plugin (install jax[cuda12] or "
+                                  "jax[cuda13]), so its processes would find no GPU"),
     (False, ["nvidia0"], "0", 1, "'s JAX has no CUDA plugin"),
-    (True, [], "", 1, "platform=gpu: 1 GPUs needed, this machine has 0"),
-    (True, ["nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-caps"], "", 2,
+    (True, [], None, 1, "platform=gpu: 1 GPUs needed, this machine has 0"),
+    (True, ["nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-caps"], None, 2,
      "platform=gpu: 2 GPUs needed, this machine has 1"),
-    (True, ["nvidia0", "nvidia1", "nvidiactl"], "", 2, None),
+    (True, ["nvidia0", "nvidia1", "nvidiactl"], None, 2, None),
     (True, [], "GPU-1234", 1, None),        # CUDA_VISIBLE_DEVICES: process_env counts those
+    (True, [], "", 1, None),                # set and empty: process_env refuses it by name
 ])
 def test_gpu_problem_reads_the_plugin_and_the_device_files(tmp_path, plugin, files, visible,
                                                            needed, message):
@@ -425,8 +429,8 @@ def test_gpu_problem_reads_the_plugin_and_the_device_files(tmp_path, plugin, fil
   dev.mkdir()
   for name in files:
     (dev / name).write_text("")
-  problem = local.gpu_problem({"CUDA_VISIBLE_DEVICES": visible} if visible else {}, needed,
-                              python=str(python), dev=str(dev))
+  base = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+  problem = local.gpu_problem(base, needed, python=str(python), dev=str(dev))
   if message is None:
     assert problem is None
   else:
