@@ -77,6 +77,13 @@ def _has_cuda_plugin(python: str) -> bool | str:
     return str(err)
 
 
+def _visible_gpus(base: dict[str, str]) -> list[str] | None:
+  """The GPUs `base`'s CUDA_VISIBLE_DEVICES lists, or None where it is not set (set and
+  empty: none, as CUDA reads it)."""
+  visible = base.get("CUDA_VISIBLE_DEVICES")
+  return None if visible is None else [g.strip() for g in visible.split(",") if g.strip()]
+
+
 def gpu_problem(base: dict[str, str], needed: int, *, python: str = sys.executable,
                 dev: str = "/dev") -> str | None:
   """Why this machine cannot give `needed` GPUs to processes run by `python`, or None.
@@ -84,8 +91,8 @@ def gpu_problem(base: dict[str, str], needed: int, *, python: str = sys.executab
   Each process would otherwise fail inside JAX's backend initialization (an AssertionError
   without a CUDA plugin or without a GPU). Two things are read: whether `python`'s JAX has a
   CUDA plugin (jax_plugins' xla_cuda*, or a jax_cuda*_plugin package), and, unless `base`
-  sets CUDA_VISIBLE_DEVICES (whose own count process_env checks), how many NVIDIA device
-  files /dev/nvidia<N> the machine has.
+  sets CUDA_VISIBLE_DEVICES (then the GPUs it lists count), how many NVIDIA device files
+  /dev/nvidia<N> the machine has.
   """
   found = _has_cuda_plugin(python)
   if isinstance(found, str):
@@ -93,7 +100,11 @@ def gpu_problem(base: dict[str, str], needed: int, *, python: str = sys.executab
   if not found:
     return (f"platform=gpu: {python}'s JAX has no CUDA plugin (install jax[cuda12] or "
             f"jax[cuda13]), so its processes would find no GPU")
-  if "CUDA_VISIBLE_DEVICES" in base:
+  visible = _visible_gpus(base)
+  if visible is not None:
+    if len(visible) < needed:
+      return (f"platform=gpu: {needed} GPUs needed, "
+              f"CUDA_VISIBLE_DEVICES={base['CUDA_VISIBLE_DEVICES']!r} has {len(visible)}")
     return None
   try:
     count = sum(1 for name in os.listdir(dev) if name[6:].isdigit() and
@@ -135,12 +146,12 @@ def process_env(base: dict[str, str], *, process_id: int, processes: int,
     env.update({distributed.ENV_DEVICES_PER_PROCESS: str(devices_per_process),
                 "JAX_PLATFORMS": "cpu"})
     return env
-  visible = base.get("CUDA_VISIBLE_DEVICES")
-  gpus = ([g.strip() for g in visible.split(",") if g.strip()] if visible is not None
-          else [str(i) for i in range(processes * devices_per_process)])
+  gpus = _visible_gpus(base)
+  gpus = [str(i) for i in range(processes * devices_per_process)] if gpus is None else gpus
   if len(gpus) < processes * devices_per_process:
     raise ValueError(f"processes={processes} x devices_per_process={devices_per_process} "
-                     f"GPUs needed, CUDA_VISIBLE_DEVICES={visible!r} has {len(gpus)}")
+                     f"GPUs needed, CUDA_VISIBLE_DEVICES={base['CUDA_VISIBLE_DEVICES']!r} "
+                     f"has {len(gpus)}")
   env.pop(distributed.ENV_DEVICES_PER_PROCESS, None)
   # the caller's own setting of an option wins
   env["XLA_FLAGS"] = options.xla_flags(options.GPU_XLA_OPTIONS, env.get("XLA_FLAGS", ""))

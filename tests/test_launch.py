@@ -417,8 +417,11 @@ def test_launch_refuses_bad_platform_arguments_before_starting(tmp_path, kwargs,
     (True, ["nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-caps"], None, 2,
      "platform=gpu: 2 GPUs needed, this machine has 1"),
     (True, ["nvidia0", "nvidia1", "nvidiactl"], None, 2, None),
-    (True, [], "GPU-1234", 1, None),        # CUDA_VISIBLE_DEVICES: process_env counts those
-    (True, [], "", 1, None),                # set and empty: process_env refuses it by name
+    (True, [], "GPU-1234", 1, None),        # CUDA_VISIBLE_DEVICES: the GPUs it lists count
+    (True, ["nvidia0", "nvidia1"], "1", 2, "platform=gpu: 2 GPUs needed, "
+                                           "CUDA_VISIBLE_DEVICES='1' has 1"),
+    # set and empty hides every GPU (the command line checks this before its log folder)
+    (True, ["nvidia0"], "", 1, "platform=gpu: 1 GPUs needed, CUDA_VISIBLE_DEVICES='' has 0"),
 ])
 def test_gpu_problem_reads_the_plugin_and_the_device_files(tmp_path, plugin, files, visible,
                                                            needed, message):
