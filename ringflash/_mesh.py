@@ -55,6 +55,40 @@ def check_context(mesh: Mesh, remedy: str = "pass that mesh, or mesh=None to use
                      f"axis types count): {remedy}")
 
 
+def check_placed(mesh: Mesh, **arrays) -> None:
+  """Each array committed to devices (a jax.Array placed with device_put, or a
+  ShapeDtypeStruct with a sharding) must be on the mesh's devices, as JAX's jit requires.
+
+  JAX's own error named ringflash's internal function, and at times another argument than
+  the one misplaced (a committed `sinks` reported as `query`). Uncommitted arrays, tracers
+  and abstract shardings are left to JAX (it moves uncommitted arrays itself), and so is
+  everything under a trace: there JAX moves concrete arrays as the program's constants.
+
+  Raises:
+    ValueError: naming the first array on other devices, before any collective runs.
+  """
+  from jax._src import core  # pylint: disable=g-import-not-at-top
+  clean = getattr(core, "trace_state_clean", None)
+  if clean is None or not clean():
+    return
+  devices = set(mesh.devices.flat)
+  for name, x in arrays.items():
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+      continue
+    if isinstance(x, jax.Array) and not getattr(x, "committed", getattr(x, "_committed", True)):
+      continue
+    try:
+      placed = set(sharding.device_set)
+    except (AttributeError, RuntimeError, ValueError):   # a sharding on an abstract mesh
+      continue
+    if placed != devices:
+      raise ValueError(
+          f"{name} is committed to devices {sorted(d.id for d in placed)}, not to the mesh's "
+          f"{sorted(d.id for d in devices)}: put it on the mesh (jax.device_put with a "
+          f"NamedSharding of mesh)")
+
+
 def seq_axes(shape, axis_name) -> _validate.SeqAxes:
   """The mesh axes the sequence is sharded over, checked against the mesh's axes."""
   names = (axis_name,) if isinstance(axis_name, str) else axis_name

@@ -106,6 +106,9 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
                      bidirectional=bidirectional, logits_soft_cap=logits_soft_cap,
                      strategy=strategy)
   _validate.check_segment_values(segment_ids)
+  _mesh.check_placed(mesh, query=query, key=key, value=value, segment_ids=segment_ids,
+                     query_seq_lengths=query_seq_lengths,
+                     key_value_seq_lengths=key_value_seq_lengths, sinks=sinks)
   arrays = (query, key, value, segment_ids, _validate.int32_clipped(query_seq_lengths),
             _validate.int32_clipped(key_value_seq_lengths), sinks)
   try:
@@ -137,6 +140,9 @@ def explain(query, key, value, *, mesh: Mesh | None = None, axis_name="sp", **op
   device = mesh.devices.flat[0]
   block_sizes = options.pop("block_sizes", None)
   _validate.check_segment_values(options.get("segment_ids"))
+  _mesh.check_placed(mesh, query=query, key=key, value=value, **{
+      name: options.get(name) for name in ("segment_ids", "query_seq_lengths",
+                                           "key_value_seq_lengths", "sinks")})
   call = _validate.check_call(query, key, value, ring_size=axes.size, local=False, pads=True,
                               **options)
   shards = _mesh.check_divisible(call.batch, call.k, mesh,

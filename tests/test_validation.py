@@ -394,3 +394,43 @@ def test_introspection_names_its_bad_arguments():
                                                     "seq_len / (2 x ring_size) = 64")):
     with pytest.raises(ValueError, match=re.escape(message)):
       call()
+
+
+def test_arrays_committed_to_other_devices_are_named():
+  """An array committed to devices other than the mesh's: JAX's jit refused it naming
+  ringflash's internal function, and a committed `sinks` as `query`; explain took a
+  ShapeDtypeStruct on other devices as if it were on the mesh. Each is now a ValueError
+  naming the argument; the same arrays on the mesh's devices, uncommitted arrays and
+  closed-over arrays under jit (JAX moves those) still run."""
+  from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
+  devices = jax.devices()
+  mesh = helpers.mesh_of(4)
+  q, key, v = _arrays(t=64, s=64)
+  sinks = jnp.zeros((N,))
+  elsewhere = NamedSharding(Mesh(np.array(devices[4:8]), ("sp",)), P(None, "sp"))
+  seq = NamedSharding(mesh, P(None, "sp"))
+  cases = [("query", dict(query=jax.device_put(q, elsewhere))),
+           ("query", dict(query=jax.device_put(q, devices[0]))),
+           ("value", dict(value=jax.device_put(v, devices[5]))),
+           ("sinks", dict(sinks=jax.device_put(sinks, devices[0]))),
+           ("key_value_seq_lengths", dict(key_value_seq_lengths=jax.device_put(
+               jnp.full((B,), 64), devices[6])))]
+  for name, given in cases:
+    args = {**dict(query=q, key=key, value=v), **given}
+    with pytest.raises(ValueError, match=f"^{name} is committed to devices .*, not to the "
+                                         f"mesh's \\[0, 1, 2, 3\\]: put it on the mesh"):
+      ringflash.ring_attention(mesh=mesh, **args)
+  shape = jax.ShapeDtypeStruct(q.shape, q.dtype, sharding=elsewhere)
+  with pytest.raises(ValueError, match="^query is committed to devices \\[4, 5, 6, 7\\]"):
+    ringflash.explain(shape, shape, shape, mesh=mesh)
+  cache = jax.device_put(jnp.zeros((B, 64, K, H)), devices[7])
+  with pytest.raises(ValueError, match="^key_cache is committed to devices \\[7\\]"):
+    ringflash.decode_attention(q[:, :1], cache, cache, cache_lengths=jnp.full((B,), 8),
+                               mesh=mesh)
+  # on the mesh, uncommitted, or a constant under jit: they run
+  ringflash.ring_attention(jax.device_put(q, seq), key, v, mesh=mesh,
+                           sinks=jax.device_put(sinks, NamedSharding(mesh, P())))
+  ringflash.explain(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=seq)
+                      for x in (q, key, v)), mesh=mesh)
+  placed = jax.device_put(sinks, devices[5])
+  jax.jit(lambda q: ringflash.ring_attention(q, key, v, mesh=mesh, sinks=placed))(q)
