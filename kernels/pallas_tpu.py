@@ -23,7 +23,7 @@ dim like 80 in a layout of its own and copy them into this one; checked to compi
 v5e, v5p, v6e at H = 80, 96, 192, (H, Hv) = (192, 128), (64, 128), (128, 64).)
 
 Tiles: block_q a multiple of 16 rows (8 for 4-byte inputs), block_k of 128 where one divides
-the key length, else of 8 (positions are stored per tile, [T // bq, 1, bq], so any tile is a
+the key length and VMEM allows, else of the same 16 or 8 (positions are stored per tile, [T // bq, 1, bq], so any tile is a
 legal block). On real TPUs local lengths must be multiples of 8 (`unsupported`): a tile of
 125 rows stacked G times cuts vector registers ("Invalid vector register cast").
 
@@ -152,27 +152,86 @@ def unsupported(problem: base.Problem) -> str | None:
         return (f"backend {NAME!r} tiles local {what} lengths that are multiples of "
                 f"{_TPU_LENGTH} on TPU, got {length} (pad the sequence, or use the "
                 f"contiguous layout, which pads it)")
+    bq, bk, need = _default_tiles(problem, None)
+    vmem = _generation(problem.device_kind)[2]
+    if need > vmem:
+      return (f"backend {NAME!r}: blocks of {_heads_per_block(problem.kv_heads)} kv heads "
+              f"(the fewest, a multiple of 8 dividing K={problem.kv_heads}, else all K) of "
+              f"{problem.group} query heads need about {need / 2**20:.1f} MiB of VMEM even at "
+              f"{bq} x {bk} tiles, of the {vmem / 2**20:.0f} MiB this TPU has: use backend "
+              f"'xla'")
   return None
+
+
+def _key_multiple(kv_len: int, sub: int) -> int:
+  """The multiple every key tile of a local key length is made of: the sublanes (16 for
+  2-byte dtypes, else 8) where one divides it, else 8, else 1. Positions are stored per
+  tile ([S // bk, 1, bk]), so any such tile is a legal block; 128 is preferred, not needed."""
+  return next(m for m in (sub, 8, 1)
+              if base.largest_divisor_at_most(kv_len, kv_len, m) is not None)
+
+
+def _divisor(length: int, cap: int, *multiples: int) -> int:
+  """The largest divisor of length not above cap that is a multiple of the first of
+  `multiples` that has one; length itself where none has."""
+  for multiple in multiples:
+    d = base.largest_divisor_at_most(length, cap, multiple)
+    if d is not None:
+      return d
+  return length
+
+
+def _default_tiles(problem: base.Problem, block_k: int | None) -> tuple[int, int, int]:
+  """(block_q, block_k, estimated VMEM bytes): the largest valid divisors not above the
+  generation's sizes, lowered until the estimate fits _BUDGET of its VMEM and a grid step
+  computes at most _SCORES_PER_STEP scores: block_q is halved down to 128, then block_k
+  down to 128, then block_q down to the sublanes, then block_k below 128 (the dK/dV kernel
+  of blocks of many kv heads: K = 25 has no multiple of 8 dividing it, so a block holds all
+  25). block_k: the user's, kept. The last estimate may still exceed the budget: the
+  smallest tiles, whose estimate `unsupported` compares with the whole VMEM."""
+  itemsize = jnp.dtype(problem.dtype).itemsize
+  sub = 16 if itemsize == 2 else 8
+  cap_q, cap_k, vmem = _generation(problem.device_kind if not problem.interpret else "")
+  budget = _BUDGET * vmem
+  q_len, kv_len = problem.q_len, problem.kv_len
+  hk = _heads_per_block(problem.kv_heads)
+  k_multiple = _key_multiple(kv_len, sub)
+
+  bk = block_k if block_k is not None else _divisor(kv_len, cap_k, _LANES, sub, 8)
+  while True:
+    bq = _divisor(q_len, cap_q, sub, 8)
+    need = _vmem_estimate(bq, bk, problem.group, hk, problem.head_dim, itemsize,
+                          problem.value_dim)
+    if need <= budget and hk * problem.group * bq * bk <= _SCORES_PER_STEP:
+      return bq, bk, need
+    if cap_q > 128:
+      cap_q //= 2
+    elif block_k is None and cap_k > _LANES:
+      cap_k //= 2
+      bk = _divisor(kv_len, cap_k, _LANES, sub, 8)
+    elif cap_q > sub:
+      cap_q //= 2
+    elif block_k is None and bk > k_multiple:
+      smaller = base.largest_divisor_at_most(kv_len, bk - 1, k_multiple)
+      if smaller is None:
+        return bq, bk, need
+      bk = smaller
+    else:
+      return bq, bk, need    # the smallest tiles
 
 
 def resolve_tiles(given: TpuBlockSizes | None, problem: base.Problem) -> TpuBlockSizes:
   """Every tile size resolved for `problem` (same signature in every backend).
 
   Defaults per TPU generation (device_kind "TPU v5", "TPU v5 lite", "TPU v6 lite", "TPU v4",
-  ...): the largest valid divisors not above the generation's sizes, lowered until the
-  estimate fits _BUDGET of its VMEM and a grid step computes at most _SCORES_PER_STEP scores
-  (hk kv heads of G query heads, [G * bq, bk] each): block_q is halved down to 128, then
-  block_k down to 128, then block_q further (v4, K = 8, G = 4: 64 x 128; v5p: 256 x 512).
-  The backward kernels default to the forward's tiles.
+  ...), lowered to fit its VMEM (_default_tiles; v4, K = 8, G = 4: 64 x 128; v5p: 256 x
+  512). The backward kernels default to the forward's tiles.
 
   Raises:
     ValueError: naming block_sizes, when a given size is not a valid tile of its length.
   """
   given = TpuBlockSizes() if given is None else given
-  itemsize = jnp.dtype(problem.dtype).itemsize
-  sub = 16 if itemsize == 2 else 8
-  cap_q, cap_k, vmem = _generation(problem.device_kind if not problem.interpret else "")
-  budget = _BUDGET * vmem
+  sub = 16 if jnp.dtype(problem.dtype).itemsize == 2 else 8
   q_len, kv_len = problem.q_len, problem.kv_len
 
   def check(name, length, multiple):
@@ -183,42 +242,17 @@ def resolve_tiles(given: TpuBlockSizes | None, problem: base.Problem) -> TpuBloc
           f"multiple of {multiple} or equal to it (backend {NAME!r}, TPU tiling)")
     return value
 
-  def default(length, cap, *multiples):
-    for multiple in multiples:
-      d = base.largest_divisor_at_most(length, cap, multiple)
-      if d is not None:
-        return d
-    return length
-
   for name in ("block_q", "block_q_dkv", "block_q_dq"):
     check(name, q_len, sub)
-  # Key tiles: multiples of the lanes (128) where one divides the local length, else of the
-  # sublanes (16 for 2-byte dtypes), else of 8: the multiples the default itself falls back to.
-  k_multiple = next(m for m in (_LANES, sub, 8, 1)
-                    if base.largest_divisor_at_most(kv_len, kv_len, m) is not None)
   for name in ("block_k", "block_k_dkv", "block_k_dq"):
-    check(name, kv_len, k_multiple)
-  bk = given.block_k if given.block_k is not None else default(kv_len, cap_k, _LANES, sub, 8)
-  bq = given.block_q
-  if bq is None:
-    hk = _heads_per_block(problem.kv_heads)
-    # Halve block_q down to 128 rows, then block_k down to 128 keys, then block_q further.
-    while True:
-      bq = default(q_len, cap_q, sub, 8)
-      if (_vmem_estimate(bq, bk, problem.group, hk, problem.head_dim, itemsize,
-                         problem.value_dim) <= budget
-          and hk * problem.group * bq * bk <= _SCORES_PER_STEP):
-        break
-      if cap_q > 128:
-        cap_q //= 2
-      elif given.block_k is None and cap_k > _LANES:
-        cap_k //= 2
-        bk = default(kv_len, cap_k, _LANES, sub, 8)
-      elif cap_q > sub:
-        cap_q //= 2
-      else:
-        break      # the smallest tiles; Mosaic reports what still does not fit
-
+    check(name, kv_len, _key_multiple(kv_len, sub))
+  if given.block_q is None:
+    bq, bk, _ = _default_tiles(problem, given.block_k)
+  else:
+    bq, bk = given.block_q, given.block_k
+    if bk is None:
+      cap_k = _generation(problem.device_kind if not problem.interpret else "")[1]
+      bk = _divisor(kv_len, cap_k, _LANES, sub, 8)
   return TpuBlockSizes(block_q=bq, block_k=bk, **{
       f"block_{x}_{kind}": getattr(given, f"block_{x}_{kind}") or (bq if x == "q" else bk)
       for kind in ("dkv", "dq") for x in ("q", "k")})

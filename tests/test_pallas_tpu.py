@@ -15,6 +15,7 @@ import pytest
 import helpers
 import oracle
 import ringflash
+from ringflash import _validate
 from ringflash.kernels import base
 from ringflash.kernels import pallas_tpu
 from ringflash.kernels import xla
@@ -266,6 +267,31 @@ def test_default_tiles_fit_vmem_with_the_kv_heads_of_a_block(kind, head_dim, kv_
   assert bq >= 16 and bk >= 128
 
 
+def test_key_tiles_go_below_128_where_a_block_of_kv_heads_needs_it():
+  """GPT-2 XL on v4 (25 heads of 64, MHA, bf16): no multiple of 8 divides K, so a block
+  holds all 25 kv heads, and at the smallest tiles the default stopped at (16 x 128) the
+  estimate passed v4's budget (15.8 of 9.6 MiB) and Mosaic ran out of VMEM in the dK/dV
+  kernel (16.09 of 16 MiB). Key tiles now go below 128; where even the smallest tiles
+  cannot fit the VMEM, the backend says so and "auto" takes xla."""
+  def problem(kv_heads, head_dim, dtype):
+    return base.Problem(q_len=1024, kv_len=1024, head_dim=head_dim, kv_heads=kv_heads,
+                        group=1, dtype=jnp.dtype(dtype), platform="tpu",
+                        device_kind="TPU v4")
+  gpt2 = problem(25, 64, jnp.bfloat16)
+  tiles = pallas_tpu.resolve_tiles(None, gpt2)
+  assert (tiles.block_q, tiles.block_k, tiles.block_k_dkv) == (16, 64, 64)
+  budget = pallas_tpu._BUDGET * pallas_tpu._generation("TPU v4")[2]
+  assert pallas_tpu._vmem_estimate(16, 64, 1, 25, 64, 2) <= budget
+  assert pallas_tpu.unsupported(gpt2) is None
+  huge = problem(255, 256, jnp.float32)       # 255 kv heads of 256 in every block
+  reason = pallas_tpu.unsupported(huge)
+  assert reason is not None and ("blocks of 255 kv heads" in reason and
+                                 "MiB of VMEM even at 8 x 8 tiles, of the 16 MiB" in reason)
+  assert _validate.resolve_backend("auto", huge) == "xla"
+  with pytest.raises(NotImplementedError, match="blocks of 255 kv heads"):
+    _validate.resolve_backend(BACKEND, huge)
+
+
 def test_block_sizes_follow_tpu_tiling():
   resolve = _resolve
   kw = dict(head_dim=128, kv_heads=4, group=4, dtype=jnp.bfloat16,
@@ -277,8 +303,10 @@ def test_block_sizes_follow_tpu_tiling():
   with pytest.raises(ValueError, match="block_sizes.block_k=24 .* multiple of 16"):
     resolve(ringflash.TpuBlockSizes(32, 24), 256, 16 * 8193, **kw)   # bf16: 16 sublanes
   assert resolve(ringflash.TpuBlockSizes(32, 128), 256, 256, **kw) == (32, 128)
-  with pytest.raises(ValueError, match="block_sizes.block_k"):
-    resolve(ringflash.TpuBlockSizes(32, 64), 256, 256, **kw)          # not a lane multiple
+  # below the lanes too, where 128 divides the length: the default goes there when VMEM asks
+  assert resolve(ringflash.TpuBlockSizes(32, 64), 256, 256, **kw) == (32, 64)
+  with pytest.raises(ValueError, match="block_sizes.block_k=24 .* multiple of 16"):
+    resolve(ringflash.TpuBlockSizes(32, 24), 256, 384, **kw)
   with pytest.raises(ValueError, match="block_sizes.block_q"):
     resolve(ringflash.TpuBlockSizes(24, 128), 256, 256, **kw)         # bf16 packs 16 rows
   with pytest.raises(ValueError, match="block_sizes.block_q"):
