@@ -105,15 +105,34 @@ def held_source(ring: RingSpec, q_len: int, kv_len: int, device: int, step: int,
 def device_steps(ring: RingSpec):
   """Jitted (q, k, v, q_pos [T], k_pos [steps, S]) -> (o float32, lse): one device's ring
   steps run on one device, kernel and merge as parallel/ring.py runs them; at step s the
-  given K/V stand in for the block held there, with positions k_pos[s]. No segment ids."""
+  K/V stand in for the block held there, with positions k_pos[s]. No segment ids.
+
+  k and v: [B, S, K, H] held at every step, or [B, steps * S, K, H], whose block s (keys
+  s * S .. s * S + S - 1) is held at step s, as a ring's device holds another block at each
+  step. Give the latter to time the steps: with one block at every step a step whose
+  result does not depend on its positions (non-causal, no window) is the same computation
+  each time, and XLA computes it once, outside the loop.
+
+  Raises (when called):
+    ValueError: naming k, when its length is neither S nor steps * S.
+  """
   kernel = get_backend(ring.backend)
 
   @jax.jit
   def steps(q, k, v, q_pos, k_pos):
     b, t, n, _ = q.shape
+    count, s_len = k_pos.shape
+    if k.shape[1] not in (s_len, count * s_len) or v.shape[1] != k.shape[1]:
+      raise ValueError(f"k and v must hold S={s_len} keys (k_pos's) or steps x S = "
+                       f"{count * s_len}, got k {k.shape[1]} and v {v.shape[1]}")
+    blocks = k.shape[1] != s_len
+
+    def held(x, s):
+      return jax.lax.dynamic_slice_in_dim(x, s * s_len, s_len, axis=1) if blocks else x
 
     def body(s, carry):
-      return _ring.step(*carry, kernel, ring.kernel, q, k, v, q_pos, k_pos[s], None, None)
+      return _ring.step(*carry, kernel, ring.kernel, q, held(k, s), held(v, s), q_pos,
+                        k_pos[s], None, None)
 
     init = (jnp.zeros((b, t, n, v.shape[-1]), jnp.float32),
             jnp.full((b, n, t), -jnp.inf, jnp.float32))

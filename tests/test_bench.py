@@ -349,3 +349,40 @@ def test_strategies_mode_leaves_hybrid_out_where_the_default_ulysses_size_cannot
   assert len(rows) == 1 and "hybrid_fwd_eff" not in rows[0]
   assert rows[0]["ring_fwd_eff"] > 0 and rows[0]["ulysses_fwd_eff"] > 0
 
+
+
+def test_device_steps_take_block_s_at_step_s_and_run_the_kernel_in_the_loop():
+  """bench --mode=virtual gave every step the same K/V: non-causal, the kernel's result did
+  not depend on the step, XLA computed it once outside the loop, and the mode timed one
+  call and P merges (its overhead fell to -87% at P = 8). device_steps now takes P blocks,
+  block s at step s: exact against the oracle over all P blocks, with the kernel inside the
+  compiled loop."""
+  import jax                                     # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp                        # pylint: disable=g-import-not-at-top
+  import numpy as np                             # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.dirname(__file__))
+  import oracle                                  # pylint: disable=g-import-not-at-top
+  from ringflash import introspect               # pylint: disable=g-import-not-at-top
+  from ringflash.cli import hlo                  # pylint: disable=g-import-not-at-top
+  b, t, n, kh, h, p = 1, 64, 4, 2, 32, 4
+  q = jax.random.normal(jax.random.key(0), (b, t, n, h))
+  k, v = (jax.random.normal(jax.random.key(i), (b, t * p, kh, h)) for i in (1, 2))
+  ring = introspect.ring_spec(q, k[:, :t], v[:, :t], ring_size=p, device=jax.devices()[0])
+  steps = introspect.device_steps(ring)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  held = pos[None, :] + t * jnp.arange(p, dtype=jnp.int32)[:, None]
+  o, lse = steps(q, k, v, pos, held)
+  ref_o, ref_lse = oracle.attention(q, k, v, scale=h ** -0.5)
+  np.testing.assert_allclose(o, ref_o, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=2e-5)
+  comps, _ = hlo.computations(steps.lower(q, k, v, pos, held).compile().as_text())
+  inside, todo = set(), list(hlo.loop_bodies(comps))      # the loop and what it calls
+  while todo:
+    name = todo.pop()
+    if name in comps and name not in inside:
+      inside.add(name)
+      todo += hlo.callees(comps[name])
+  dots = [line for name in comps for line in comps[name] if " dot(" in line]
+  assert dots and all(any(line in comps[name] for name in inside) for line in dots)
+  with pytest.raises(ValueError, match="k and v must hold S=64 keys"):
+    steps(q, k[:, :100], v[:, :100], pos, held)
