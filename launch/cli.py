@@ -183,6 +183,8 @@ def check_job(job: list[str], *, devices: int | None, processes: int = 1) -> Non
     if len(rest) > 1:
       raise UsageError(f"takes flags only, got the argument(s) {' '.join(rest[1:])}")
     parsed = module.job_from_flags(values, folders=devices is not None)
+    if hasattr(module, "check_processes"):        # bench: most modes run in one process
+      module.check_processes(values, processes)
     if devices is not None and parsed is not None:     # bench's need the devices themselves
       module.check_devices(parsed.config, devices, processes)
   except (flags.Error, UsageError) as err:

@@ -522,6 +522,21 @@ def test_processes_given_different_flags_leave_together(tmp_path, command, first
   assert time.monotonic() - started < 60
 
 
+def test_bench_modes_of_one_process_are_refused_by_the_processes_of_a_job(tmp_path):
+  """Started by hand, without the launcher's check: every process names the mode in one
+  line and the job ends with status 2 (process 1 of --mode=kernels had died with a
+  traceback, its program's device being process 0's)."""
+  port = local.free_port()
+  procs = [start_process(i, 2, port, "--mode=kernels", "--seq_lens=64", "--heads=2",
+                         "--kv_heads=2", "--head_dim=16", "--iters=1", "--warmup=0",
+                         "--impls=ringflash", f"--out={tmp_path}/{i}", devices=1,
+                         command="bench") for i in range(2)]
+  for code, out in finish(procs, timeout=150):
+    assert code == 2, out[-2000:]
+    assert "ringflash bench: --mode=kernels runs in one process" in out, out[-2000:]
+    assert "Traceback" not in out, out[-2000:]
+
+
 def test_every_subcommand_is_a_joining_or_a_single_process_job():
   from ringflash import cli as ringflash_cli      # pylint: disable=g-import-not-at-top
   from ringflash.launch import cli as launch_cli  # pylint: disable=g-import-not-at-top
@@ -567,6 +582,14 @@ def test_every_subcommand_is_a_joining_or_a_single_process_job():
      "job bench: --seq_lens takes integers >= 1, got '0'"),
     (["local", "--", "bench", "--mode=decode", "--layout=zigzag"],
      "job bench: --layout applies to --mode=scaling | longest, not --mode=decode"),
+    # process 1 died reading back a program of process 0's device (a traceback, then a lost
+    # process), or, with a baseline on process 0's device, printed efficiencies of 0.00
+    (["local", "--processes=2", "--devices-per-process=1", "--", "bench", "--mode=kernels"],
+     "job bench: --mode=kernels runs in one process (on its first device, or with a baseline "
+     "there); a job of 2 processes runs --mode=scaling or --mode=longest: run kernels "
+     "without the launcher"),
+    (["local", "--processes=2", "--devices-per-process=2", "--", "bench", "--mode=strategies"],
+     "job bench: --mode=strategies runs in one process"),
     # each process ran its own copy, alone
     (["local", "--", "generate"], "job generate: `ringflash generate` runs in one process and "
                                   "joins no launched job; run it directly (the jobs that join: "

@@ -280,6 +280,23 @@ def job_from_flags(values: flags.FlagValues, *, folders: bool = True) -> None:
   check_flags(values, given=given_flags(values))
 
 
+# The modes a job of several processes runs (each process its share of the devices); the
+# others time one device's kernels (jax.devices()[0]: process 0's), or a baseline on it.
+JOINT_MODES = ("scaling", "longest")
+
+
+def check_processes(f, processes: int) -> None:
+  """Refuses, by name, a mode that cannot run in a job of `processes` processes.
+
+  Raises:
+    UsageError: one line naming --mode.
+  """
+  if processes > 1 and f.mode not in JOINT_MODES:
+    raise UsageError(f"--mode={f.mode} runs in one process (on its first device, or with a "
+                     f"baseline there); a job of {processes} processes runs --mode="
+                     f"{' or --mode='.join(JOINT_MODES)}: run {f.mode} without the launcher")
+
+
 def check_devices(f, devices: list, given=()) -> None:
   """Checks what only the job's devices can refute, before anything compiles.
 
@@ -320,19 +337,20 @@ def main(argv):
     # Processes started by hand may differ (another --mode or --seq_lens would leave a peer
     # waiting in a collective); --out and --hlo_dir are each process's own.
     distributed.agree_on_settings("bench", command_flags(exclude=("out", "hlo_dir")))
+    check_processes(FLAGS, jax.process_count())
     check_devices(FLAGS, jax.devices(), given=given)
     # Last, as checking a folder creates it.
     for name in ("out", "hlo_dir"):
       problem = FLAGS[name].value and distributed.directory_problem(FLAGS[name].value)
       if problem:
         raise UsageError(f"--{name}={FLAGS[name].value}: {problem}")
-  dev = jax.devices()[0]
-  print(f"jax {jax.__version__}, {len(jax.devices())} x {dev.device_kind}", flush=True)
-  mode = importlib.import_module(f"ringflash.cli.bench.{FLAGS.mode}")
-  try:
-    rows = mode.run(FLAGS)
-  except harness.ImplementationError as err:
-    raise SystemExit(f"ringflash bench: {err}") from err
+    dev = jax.devices()[0]
+    print(f"jax {jax.__version__}, {len(jax.devices())} x {dev.device_kind}", flush=True)
+    mode = importlib.import_module(f"ringflash.cli.bench.{FLAGS.mode}")
+    try:
+      rows = mode.run(FLAGS)
+    except harness.ImplementationError as err:
+      raise SystemExit(f"ringflash bench: {err}") from err
   if jax.process_index() != 0:     # process 0 of a multi-process job writes the files
     return
   meta = {"jax": jax.__version__, "device": dev.device_kind, "mode": FLAGS.mode,
