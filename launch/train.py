@@ -337,6 +337,11 @@ def run(trainer: Trainer, *, checkpoint_dir: str | None, save_every: int, keep: 
         raise UsageError(f"--steps={config.total_steps} is below the step restored from "
                          f"{ckpt.directory}, {restored.step}: give --steps={restored.step} or "
                          f"more")
+      if 0 < crash_after_save_starts <= restored.step:
+        ckpt.close()      # the fault would never be injected, and the run end as if it had not
+        raise UsageError(f"--crash_after_save_starts={crash_after_save_starts} is not after "
+                         f"the step restored from {ckpt.directory}, {restored.step}: no save "
+                         f"starts there in this run")
       state = restored.state
       say(f"resume: restored step {restored.step} from {ckpt.directory} "
           f"(data stream at step {restored.meta['data']['next_step']})")

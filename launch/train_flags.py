@@ -176,6 +176,9 @@ def job_from_flags(values: flags.FlagValues = FLAGS, *, folders: bool = True) ->
                      f"{distributed.ENV_DEVICES_PER_PROCESS}={per_process} (set by `ringflash "
                      f"launch local --devices-per-process`), which sets the devices of each "
                      f"process; give one of them")
+  if v["cpu_devices"].present and v.platform != "cpu":
+    raise UsageError(f"--cpu_devices applies to --platform=cpu (simulated devices), not "
+                     f"--platform={v.platform}, which takes the devices JAX finds")
   try:
     task = data.TaskConfig(seq_len=v.seq_len, num_keys=v.num_keys, num_values=v.num_values,
                            num_pairs=v.num_pairs, num_copies=v.num_copies,

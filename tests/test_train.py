@@ -236,6 +236,11 @@ def test_a_fault_that_would_never_fire_is_refused(tmp_path, no_launch_env, args,
 
 def test_cpu_devices_must_agree_with_the_launchers_devices_per_process(no_launch_env):
   from ringflash.cli import UsageError
+  # --platform=default takes the devices JAX finds: --cpu_devices did nothing there
+  with pytest.raises(UsageError, match=re.escape(
+      "--cpu_devices applies to --platform=cpu (simulated devices), not --platform=default")):
+    _job_from("--platform=default", "--cpu_devices=8")
+  assert _job_from("--platform=default").platform == "default"
   no_launch_env.setenv("RINGFLASH_DEVICES_PER_PROCESS", "2")
   with pytest.raises(UsageError, match=re.escape(
       "--cpu_devices=4 disagrees with RINGFLASH_DEVICES_PER_PROCESS=2")):
@@ -679,6 +684,14 @@ def test_resume_past_steps_is_refused_and_at_steps_is_complete(tmp_path):
       f"--steps=2 is below the step restored from {tmp_path}, 4: give --steps=4 or more")):
     train.run(shorter, checkpoint_dir=str(tmp_path), save_every=2, keep=3, async_save=False,
               resume=True, log=lambda _: None)
+  # a fault at a step the resumed run does not reach again: it ran to its end, status 0
+  longer = train.Trainer(dataclasses.replace(config, total_steps=6))
+  for crash in (2, 4):
+    with pytest.raises(UsageError, match=re.escape(
+        f"--crash_after_save_starts={crash} is not after the step restored from {tmp_path}, "
+        f"4: no save starts there in this run")):
+      train.run(longer, checkpoint_dir=str(tmp_path), save_every=2, keep=3, async_save=False,
+                resume=True, crash_after_save_starts=crash, log=lambda _: None)
   messages = []
   outcome = train.run(train.Trainer(config), checkpoint_dir=str(tmp_path), save_every=2,
                       keep=3, async_save=False, resume=True, log=messages.append)
