@@ -13,7 +13,9 @@ turns (harness.time_in_turns), forward and forward+backward:
   plain     H = --head_dim: ringflash beside cuDNN (the kernels mode's row).
 TFLOP/s count the FlashAttention convention with the real head dims: 2 B N T S (H + Hv),
 halved when causal, 3.5x for forward+backward. Ratios are medians of the rounds' ratios:
-`<impl>_<phase>_ratio` is ringflash's throughput over that implementation's.
+`<impl>_<phase>_ratio` is ringflash's throughput over that implementation's. Without a GPU
+there is no cuDNN: jax.nn's own implementation takes its place, named jax_nn (and
+jax_nn_padded), not cudnn.
 """
 
 from __future__ import annotations
@@ -34,8 +36,13 @@ FIXED_HEAD_DIMS = {"mla": (192, 128), "h80": (80, 80), "h96": (96, 96)}
 OWN_HEAD_DIM = tuple(v for v in VARIANTS if v not in FIXED_HEAD_DIMS)
 
 
+def _peer() -> tuple[str, str | None]:
+  """(the name of jax.nn's column, its implementation): cuDNN on a GPU, else jax.nn's own."""
+  return ("cudnn", "cudnn") if jax.devices()[0].platform == "gpu" else ("jax_nn", None)
+
+
 def _cudnn(causal, pad_to=None):
-  impl = "cudnn" if jax.devices()[0].platform == "gpu" else None
+  impl = _peer()[1]
 
   def f(q, k, v):
     hv = v.shape[-1]
@@ -82,11 +89,11 @@ def run(f) -> list[dict]:
           impls = {"ringflash": _ours(mesh, causal, logits_soft_cap=30.0),
                    "plain": _ours(mesh, causal)}
         elif variant == "mla":
-          impls["cudnn_padded"] = _cudnn(causal, pad_to=h)
+          impls[f"{_peer()[0]}_padded"] = _cudnn(causal, pad_to=h)
           if t <= f.xla_max_len:
             impls["xla"] = _ours(mesh, causal, backend="xla")
         else:
-          impls["cudnn"] = _cudnn(causal)
+          impls[_peer()[0]] = _cudnn(causal)
         fns = {name: harness.jitted_pair(fn) for name, fn in impls.items()}
         flops = 2.0 * b * n * t * t * (h + hv) / (2 if causal else 1)
         row = {"variant": variant, "T": t, "N": n, "K": kh, "H": h, "Hv": hv,
