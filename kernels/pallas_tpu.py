@@ -23,8 +23,8 @@ dim like 80 in a layout of its own and copy them into this one; checked to compi
 v5e, v5p, v6e at H = 80, 96, 192, (H, Hv) = (192, 128), (64, 128), (128, 64).)
 
 Tiles: block_q a multiple of 16 rows (8 for 4-byte inputs), block_k of 128 where one divides
-the key length and VMEM allows, else of the same 16 or 8 (positions are stored per tile, [T // bq, 1, bq], so any tile is a
-legal block). On real TPUs local lengths must be multiples of 8 (`unsupported`): a tile of
+the key length and VMEM allows, else of the same 16 or 8 (positions are stored per tile,
+[T // bq, 1, bq], so any tile is a legal block). On real TPUs local lengths must be multiples of 8 (`unsupported`): a tile of
 125 rows stacked G times cuts vector registers ("Invalid vector register cast").
 
 Masks: base.pair_mask on the tile's positions and segment ids, built from int32 ids stacked
@@ -167,8 +167,7 @@ def _key_multiple(kv_len: int, sub: int) -> int:
   """The multiple every key tile of a local key length is made of: the sublanes (16 for
   2-byte dtypes, else 8) where one divides it, else 8, else 1. Positions are stored per
   tile ([S // bk, 1, bk]), so any such tile is a legal block; 128 is preferred, not needed."""
-  return next(m for m in (sub, 8, 1)
-              if base.largest_divisor_at_most(kv_len, kv_len, m) is not None)
+  return next(m for m in (sub, 8, 1) if kv_len % m == 0)
 
 
 def _divisor(length: int, cap: int, *multiples: int) -> int:
@@ -211,11 +210,8 @@ def _default_tiles(problem: base.Problem, block_k: int | None) -> tuple[int, int
       bk = _divisor(kv_len, cap_k, _LANES, sub, 8)
     elif cap_q > sub:
       cap_q //= 2
-    elif block_k is None and bk > k_multiple:
-      smaller = base.largest_divisor_at_most(kv_len, bk - 1, k_multiple)
-      if smaller is None:
-        return bq, bk, need
-      bk = smaller
+    elif block_k is None and bk > k_multiple:     # k_multiple itself divides kv_len
+      bk = base.largest_divisor_at_most(kv_len, bk - 1, k_multiple)
     else:
       return bq, bk, need    # the smallest tiles
 

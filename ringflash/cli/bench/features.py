@@ -41,8 +41,7 @@ def _peer() -> tuple[str, str | None]:
   return ("cudnn", "cudnn") if jax.devices()[0].platform == "gpu" else ("jax_nn", None)
 
 
-def _cudnn(causal, pad_to=None):
-  impl = _peer()[1]
+def _cudnn(causal, impl, pad_to=None):
 
   def f(q, k, v):
     hv = v.shape[-1]
@@ -75,6 +74,7 @@ def run(f) -> list[dict]:
   kh = int(f.kv_heads[0])
   n, b = f.heads, f.batch
   sinks = jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32)
+  peer, impl = _peer()
   rows = []
   for variant in f.variants:
     h, hv = FIXED_HEAD_DIMS.get(variant, (f.head_dim, f.head_dim))
@@ -89,11 +89,11 @@ def run(f) -> list[dict]:
           impls = {"ringflash": _ours(mesh, causal, logits_soft_cap=30.0),
                    "plain": _ours(mesh, causal)}
         elif variant == "mla":
-          impls[f"{_peer()[0]}_padded"] = _cudnn(causal, pad_to=h)
+          impls[f"{peer}_padded"] = _cudnn(causal, impl, pad_to=h)
           if t <= f.xla_max_len:
             impls["xla"] = _ours(mesh, causal, backend="xla")
         else:
-          impls[_peer()[0]] = _cudnn(causal)
+          impls[peer] = _cudnn(causal, impl)
         fns = {name: harness.jitted_pair(fn) for name, fn in impls.items()}
         flops = 2.0 * b * n * t * t * (h + hv) / (2 if causal else 1)
         row = {"variant": variant, "T": t, "N": n, "K": kh, "H": h, "Hv": hv,
