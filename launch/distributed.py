@@ -72,6 +72,12 @@ ENV_INIT_TIMEOUT_S = "RINGFLASH_INIT_TIMEOUT_S"
 
 DEFAULT_INIT_TIMEOUT_S = 300
 
+# The exit status of a job process that saved on a preemption notice and stopped before its
+# end: what a shell reports for a process ended by SIGTERM (128 + 15), so that a scheduler
+# sees the job as unfinished and starts it again (with --resume). `launch local` exits with
+# it too when every process did.
+PREEMPTED_STATUS = 143
+
 # The rendezvous protocol: one line each way, ASCII.
 #   process k -> process 0:  "ringflash <k> <num_processes>\n"
 #   process 0 -> process k:  "go\n"  |  "error <text>\n"

@@ -16,6 +16,11 @@ Failure handling, every wait bounded:
 - `timeout_s` (optional) bounds the whole job;
 - SIGINT/SIGTERM to the launcher stop every process the same way. (If the launcher itself is
   SIGKILLed, its processes fail at their next write to the closed output pipe.)
+- a preemption: a process that exits with distributed.PREEMPTED_STATUS (143) saved on a
+  preemption notice (SIGTERM), which the processes of `train` read at the same step. It is not
+  lost: the others get `stop_timeout_s` to stop there by themselves, and when every process
+  exits with 143, whether the SIGTERM came to the processes or to the launcher (which passes
+  it on), the launcher exits with 143 too, so that a scheduler starts the job again.
 """
 
 from __future__ import annotations
@@ -195,7 +200,9 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
     platform: "cpu" or "gpu" (process_env).
 
   Returns:
-    0 if every process exited with status 0, else 1.
+    0 if every process exited with status 0; distributed.PREEMPTED_STATUS (143) if every
+    process saved on a preemption notice and stopped (the job's own SIGTERM, or the
+    launcher's passed on); else 1.
   """
   if processes < 1 or devices_per_process < 1:
     raise ValueError(f"processes={processes} and devices_per_process={devices_per_process} "
@@ -257,7 +264,11 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
     for i, proc in enumerate(procs):
       say(f"process {i}: " + ("killed by SIGKILL" if i in killed else
                               describe_exit(proc.returncode)))
-    status = 1
+    # A job that reads SIGTERM as a preemption notice (train) saves and exits with
+    # PREEMPTED_STATUS; the launcher's status says so when every process did.
+    preempted = bool(procs) and all(proc.returncode == distributed.PREEMPTED_STATUS
+                                    for proc in procs)
+    status = _preempted_status(procs, say) if preempted else 1
   finally:
     if previous is not None:
       signal.signal(signal.SIGTERM, previous)
@@ -267,23 +278,48 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
 
 
 def _supervise(procs, exits, logs, say, *, stop_timeout_s, deadline) -> int:
-  """Waits for the processes; on the first failure names it and stops the rest."""
+  """Waits for the processes; on the first failure names it and stops the rest.
+
+  A process that exits with PREEMPTED_STATUS saved on a preemption notice, which every
+  process of a ringflash job reads at the same step: the others get `stop_timeout_s` to stop
+  there by themselves before they are stopped, and the job's status is PREEMPTED_STATUS when
+  every process did.
+  """
   done: dict[int, int] = {}
+  preempted: tuple[int, float] | None = None   # the first process to stop on the notice, when
   while len(done) < len(procs):
-    wait_s = None if deadline is None else deadline - time.monotonic()
-    if wait_s is not None and wait_s <= 0:
-      alive = [i for i in range(len(procs)) if i not in done]
+    now = time.monotonic()
+    alive = [i for i in range(len(procs)) if i not in done]
+    if deadline is not None and deadline <= now:
       say(f"the job ran past its timeout; stopping processes {alive}")
       _stop(procs, stop_timeout_s, say)
       return 1
+    if preempted is not None and now >= preempted[1] + stop_timeout_s:
+      say(f"processes {alive} still running {stop_timeout_s:g} s after process {preempted[0]} "
+          f"stopped on a preemption notice; stopping them (SIGTERM now, SIGKILL to any still "
+          f"alive after {stop_timeout_s:g} s)")
+      killed = _stop(procs, stop_timeout_s, say)
+      for j in alive:
+        say(f"process {j}: " + (f"still alive {stop_timeout_s:g} s after SIGTERM, killed by "
+                                f"SIGKILL" if j in killed else describe_exit(procs[j].returncode)))
+      break
+    waits = [1.0]       # bounded, so that SIGINT/SIGTERM and the deadlines are seen promptly
+    if deadline is not None:
+      waits.append(deadline - now)
+    if preempted is not None:
+      waits.append(preempted[1] + stop_timeout_s - now)
     try:
-      # A bounded get, so that SIGINT/SIGTERM and the deadline are seen promptly.
-      i, code = exits.get(timeout=1.0 if wait_s is None else min(wait_s, 1.0))
+      i, code = exits.get(timeout=min(waits))
     except queue.Empty:
       continue
     done[i] = code
     if code == 0:
       say(f"process {i} finished (status 0)")
+      continue
+    if code == distributed.PREEMPTED_STATUS:
+      say(f"process {i} stopped on a preemption notice (status {code})")
+      if preempted is None:
+        preempted = (i, time.monotonic())
       continue
     # The first failure is the cause; whatever the others do from here on follows from it.
     say(f"lost process {i} (pid {procs[i].pid}): {describe_exit(code)}; see {logs[i]}")
@@ -303,8 +339,22 @@ def _supervise(procs, exits, logs, say, *, stop_timeout_s, deadline) -> int:
       say(f"process {j}: stopped after process {i} was lost ({how})")
     say(f"FAILED: process {i} was lost")
     return 1
-  say(f"all {len(procs)} processes finished")
-  return 0
+  if preempted is None:
+    say(f"all {len(procs)} processes finished")
+    return 0
+  return _preempted_status(procs, say)
+
+
+def _preempted_status(procs, say) -> int:
+  """PREEMPTED_STATUS if every process saved on a preemption notice and stopped, else 1."""
+  status = distributed.PREEMPTED_STATUS
+  others = [i for i, proc in enumerate(procs) if proc.returncode != status]
+  if others:
+    say(f"FAILED: processes {others} did not stop on the preemption notice (status {status})")
+    return 1
+  say(f"PREEMPTED: all {len(procs)} processes saved and stopped on a preemption notice "
+      f"(status {status}); run the job again with --resume to continue")
+  return status
 
 
 def _stop(procs, stop_timeout_s, say) -> set[int]:

@@ -69,10 +69,8 @@ from ringflash.launch.train_flags import define_flags as define_flags
 from ringflash.launch.train_flags import job_from_flags
 from ringflash.launch.train_flags import usage_error
 
-# The exit status of a run that saved on a preemption notice and stopped before --steps: what
-# a shell reports for a process ended by SIGTERM (128 + 15), so that a scheduler sees the job
-# as unfinished and starts it again (with --resume).
-PREEMPTED_STATUS = 143
+# The exit status of a run that saved on a preemption notice and stopped before --steps.
+PREEMPTED_STATUS = distributed.PREEMPTED_STATUS
 
 
 def learning_rate_schedule(config: RunConfig):

@@ -311,6 +311,95 @@ def test_supervisor_names_lost_and_stopped_processes(tmp_path, monkeypatch):
     assert seconds < 10, text          # no wait for --stop_timeout_s=30 when 0 exits itself
 
 
+def _stand_in(tmp_path, body: str):
+  """A stand-in job process (the launcher's `python`): a bash script running `body`."""
+  script = tmp_path / "job.sh"
+  script.write_text("#!/bin/bash\n" + body)
+  script.chmod(0o755)
+  return str(script)
+
+
+def test_processes_stopping_on_a_preemption_notice_are_not_lost(tmp_path):
+  """Every process saves on a preemption notice and exits with status 143, process 1 a
+  second after process 0: process 0 is not lost, process 1 is not stopped (its SIGTERM
+  would end it with status 1 here), and the launcher exits with 143 so that a scheduler
+  starts the job again. Before, the launcher blamed process 0 as lost and exited with 1."""
+  script = _stand_in(tmp_path,
+                     "trap 'exit 1' TERM\n"
+                     "if [ \"$RINGFLASH_PROCESS_ID\" = 1 ]; then sleep 1.5; else sleep 0.3; fi\n"
+                     "exit 143\n")
+  terminal = io.StringIO()
+  status = local.launch(["train"], processes=2, devices_per_process=1,
+                        log_dir=str(tmp_path / "logs"), stop_timeout_s=30, python=script,
+                        terminal=terminal)
+  text = terminal.getvalue()
+  assert status == distributed.PREEMPTED_STATUS == 143, text
+  for i in (0, 1):
+    assert f"process {i} stopped on a preemption notice (status 143)" in text, text
+  assert ("PREEMPTED: all 2 processes saved and stopped on a preemption notice (status 143); "
+          "run the job again with --resume to continue") in text, text
+  assert "lost" not in text and "FAILED" not in text, text
+
+
+def test_a_process_that_does_not_stop_on_the_notice_fails_the_launch(tmp_path):
+  """Process 0 stops on a preemption notice; process 1 goes on (exits 1 on SIGTERM): it
+  gets --stop_timeout_s (1 s) to stop at the same step, then is stopped, and the job fails."""
+  script = _stand_in(tmp_path,
+                     "trap 'exit 1' TERM\n"
+                     "if [ \"$RINGFLASH_PROCESS_ID\" = 0 ]; then sleep 0.3; exit 143; fi\n"
+                     "for i in $(seq 300); do sleep 0.1; done\n")
+  terminal = io.StringIO()
+  started = time.monotonic()
+  status = local.launch(["train"], processes=2, devices_per_process=1,
+                        log_dir=str(tmp_path / "logs"), stop_timeout_s=1, python=script,
+                        terminal=terminal)
+  text = terminal.getvalue()
+  assert status == 1, text
+  assert time.monotonic() - started < 20, text
+  assert ("processes [1] still running 1 s after process 0 stopped on a preemption notice; "
+          "stopping them") in text, text
+  assert "process 1: exited with status 1" in text, text
+  assert "FAILED: processes [1] did not stop on the preemption notice (status 143)" in text
+  assert "PREEMPTED" not in text, text
+
+
+@pytest.mark.parametrize("codes, want", [((143, 143), 143), ((143, 1), 1)])
+def test_sigterm_to_the_launcher_reports_a_preemption(tmp_path, codes, want):
+  """SIGTERM to the launcher (a scheduler's notice): it passes SIGTERM on; when every process
+  saves and exits with 143 the launcher exits with 143 (it said 1), else with 1."""
+  script = _stand_in(tmp_path,
+                     f"if [ \"$RINGFLASH_PROCESS_ID\" = 1 ]; then code={codes[1]}; "
+                     f"else code={codes[0]}; fi\n"
+                     "trap 'exit $code' TERM\necho ready\n"
+                     "for i in $(seq 600); do sleep 0.1; done\n")
+  program = ("import sys; from ringflash.launch import local; "
+             f"sys.exit(local.launch(['train'], processes=2, devices_per_process=1, "
+             f"log_dir={str(tmp_path / 'logs')!r}, stop_timeout_s=30, python={script!r}))")
+  launcher = subprocess.Popen([PYTHON, "-c", program], env=job_env(), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines: list[str] = []
+  reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+  reader.start()
+  try:
+    deadline = time.monotonic() + 60
+    while sum(line.endswith("] ready\n") for line in lines) < 2:
+      assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)
+      time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(60) == want, "".join(lines)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+      launcher.wait()
+  reader.join(5)
+  text = "".join(lines)
+  assert "Traceback" not in text, text
+  if want == 143:
+    assert "PREEMPTED: all 2 processes saved and stopped" in text, text
+  else:
+    assert "process 1: exited with status 1" in text and "PREEMPTED" not in text, text
+
+
 def test_process_that_never_starts_fails_the_others():
   port = local.free_port()
   # Processes 0 and 1 of 3 start; process 2 never does.

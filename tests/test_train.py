@@ -796,8 +796,8 @@ def test_two_processes_save_and_resume_match_straight_run(tmp_path):
 @pytest.mark.slow
 def test_two_processes_save_on_sigterm_at_the_same_step(tmp_path):
   """SIGTERM to the launcher: it passes SIGTERM on; PreemptionNotice's all-gather of the
-  processes' SIGTERM flags gives both the same step, both take part in its save, and both
-  exit with status 143."""
+  processes' SIGTERM flags gives both the same step, both take part in its save, both
+  exit with status 143, and so does the launcher."""
   command = [sys.executable, "-m", "ringflash.cli", "launch", "local", "--processes", "2",
              "--devices-per-process", "4", "--log_dir", str(tmp_path / "logs"),
              "--init_timeout_s", "120", "--stop_timeout_s", "60", "--", "train", *SMALL,
@@ -810,3 +810,5 @@ def test_two_processes_save_on_sigterm_at_the_same_step(tmp_path):
   assert os.listdir(tmp_path / "ckpt") == [saved.group(1)]
   for i in (0, 1):
     assert f"ringflash launch: process {i}: exited with status 143" in text, text[-4000:]
+  assert proc.returncode == train.PREEMPTED_STATUS, text[-4000:]
+  assert "ringflash launch: PREEMPTED: all 2 processes saved and stopped" in text, text[-4000:]
