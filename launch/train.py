@@ -42,7 +42,8 @@ Under `ringflash launch local --processes 2 --devices-per-process 4 -- train ...
 process runs this same program: it joins the job (ringflash.launch.distributed.initialize)
 before touching any device, the mesh spans the devices of all processes, each process fills
 only its own shards of a batch, every process takes part in each orbax save and restore, and
-only process 0 prints and writes the metrics file.
+only process 0 prints and writes the metrics file. A resume drops the metrics file's records of
+steps after the one restored, which it computes again (_drop_records_past).
 """
 
 from __future__ import annotations
@@ -290,6 +291,38 @@ class Outcome:
   preempted_at: int | None = None
 
 
+def _drop_records_past(path: str, step: int, say) -> None:
+  """On a resume from `step`: drops the metrics file's records of later steps.
+
+  They are the steps the lost run computed after its last checkpoint, which this run
+  computes again and appends; kept, each of those steps would have two records. A last line
+  without its newline (a write cut short by the loss) goes too. Lines that are not step
+  records are kept. The file is replaced as a whole (a temporary file, then os.replace).
+  """
+  if not os.path.exists(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    lines = f.readlines()
+  kept = []
+  for line in lines:
+    if not line.endswith("\n"):
+      continue                    # only the last line can lack it: a write cut short
+    try:
+      later = int(json.loads(line)["step"]) > step
+    except (ValueError, TypeError, KeyError):
+      later = False
+    if not later:
+      kept.append(line)
+  if len(kept) == len(lines):
+    return
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
+  say(f"resume: dropped {len(lines) - len(kept)} line(s) of steps after {step} from {path} "
+      f"(this run computes those steps again)")
+
+
 def run(trainer: Trainer, *, checkpoint_dir: str | None, save_every: int, keep: int,
         async_save: bool, resume: bool, metrics_file: str | None = None,
         crash_after_save_starts: int = -1, log=print) -> Outcome:
@@ -363,6 +396,8 @@ def run(trainer: Trainer, *, checkpoint_dir: str | None, save_every: int, keep: 
   metrics_out = None
   if metrics_file and lead:
     os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+    if resume:
+      _drop_records_past(metrics_file, start, say)
     metrics_out = open(metrics_file, "a")
   try:
     with distributed.PreemptionNotice() as notice:

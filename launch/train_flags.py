@@ -87,7 +87,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                     "--checkpoint_dir (which must be given); an error if checkpoints exist "
                     "but none restores.", **fv)
   flags.DEFINE_string("metrics_file", None, "Append one JSON line per step (step, loss, "
-                      "accuracy) here; process 0 only.", **fv)
+                      "accuracy) here; process 0 only. --resume first drops its lines of steps after the "
+                      "step restored, which the run computes again.", **fv)
   flags.DEFINE_integer("crash_after_save_starts", -1, "Fault injection for tests: SIGKILL this "
                        "process right after the save of this step has started (write in "
                        "flight; needs --checkpoint_dir; a step that saves: a multiple of "

@@ -627,6 +627,32 @@ def test_resume_moves_unusable_newer_steps_aside_and_saves_the_last_step(tmp_pat
   reader.close()
 
 
+def test_resume_drops_the_metrics_of_the_steps_it_computes_again(tmp_path):
+  """Killed after step 3 (in the middle of writing step 4's line) with step 2 saved: the
+  resumed run drops the lines of steps 3 and 4 before it appends its own, so every step has
+  one line. Before: steps 3 and 4 had two lines each, one glued to a cut-off line."""
+  config = _config(steps=4)
+  trainer = train.Trainer(config)
+  ckpt = checkpointing.Checkpoints(str(tmp_path / "ckpt"), save_every=2, keep=3,
+                                   async_save=False)
+  _save_as_run(ckpt, 2, _state_at(trainer, 2), config)
+  ckpt.close()
+  path = tmp_path / "m.jsonl"
+  path.write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.0}\nnot a record\n'
+                  '{"step": 3, "loss": 7.0}\n{"step": 4, "lo')
+  messages = []
+  outcome = train.run(trainer, checkpoint_dir=str(tmp_path / "ckpt"), save_every=2, keep=3,
+                      async_save=False, resume=True, metrics_file=str(path),
+                      log=messages.append)
+  assert [m["step"] for m in outcome.history] == [3, 4]
+  assert (f"resume: dropped 2 line(s) of steps after 2 from {path} (this run computes those "
+          "steps again)") in messages, messages
+  lines = path.read_text().splitlines()
+  assert lines[:3] == ['{"step": 1, "loss": 9.0}', '{"step": 2, "loss": 8.0}', "not a record"]
+  assert [json.loads(line) for line in lines[3:]] == outcome.history
+  assert sorted(os.listdir(tmp_path)) == ["ckpt", "m.jsonl"]      # no temporary file left
+
+
 def test_a_save_that_is_due_and_does_not_start_is_reported(tmp_path, monkeypatch):
   """Step 8 is in the folder (as if another run wrote there meanwhile): orbax refuses to save
   steps 1 and 2. On a preemption notice at step 1 the message says it could not save; a due
