@@ -131,7 +131,17 @@ def int32_clipped(x, lower: int = 0, upper: int = INT32_MAX):
   return jnp.clip(x, max(info.min, lower), min(info.max, upper)).astype(jnp.int32)
 
 
-def positive_number(name, value):
+# The largest scale and soft-cap: float32's largest finite number (the kernels compute scores
+# in float32; a larger Python float becomes inf there, and finite inputs then gave NaN).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The largest soft-cap. The kernels divide each score by the cap in float32, whose denormals
+# are flushed to zero: a score below cap * 1.2e-38 becomes 0 (tanh(0) = 0). Up to 1e30 that
+# is below 1.2e-8, far under a score's rounding; at 1e38 every score of a row became 0, a
+# uniform softmax. A cap this large has no effect on any score: pass None.
+SOFT_CAP_MAX = 1e30
+
+
+def positive_number(name, value, upper: float = FLOAT32_MAX, why: str = "float32's largest"):
   if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
     raise ValueError(f"{name} must be a Python number, got {type(value).__name__}")
   try:
@@ -141,7 +151,18 @@ def positive_number(name, value):
                      f"{int(value).bit_length()} bits") from None
   if not math.isfinite(value) or value <= 0:
     raise ValueError(f"{name} must be finite and > 0, got {value}")
+  if value > upper:
+    raise ValueError(f"{name} must be at most {upper:g} ({why}), got {value:g}")
   return value
+
+
+def soft_cap(value):
+  """logits_soft_cap checked: None, or a number in (0, SOFT_CAP_MAX]."""
+  if value is None:
+    return None
+  return positive_number("logits_soft_cap", value, SOFT_CAP_MAX,
+                         "float32 flushes score / cap to 0 below cap * 1.2e-38; a cap past "
+                         "it changes no score: pass None")
 
 
 def check_call(query, key, value, *, segment_ids=None, scale=None, backend="auto",
@@ -206,8 +227,7 @@ def check_call(query, key, value, *, segment_ids=None, scale=None, backend="auto
     raise ValueError(f"query, key and value must be non-empty, got query={qs}, key={ks}, "
                      f"value={vs}")
   scale = 1.0 / math.sqrt(h) if scale is None else positive_number("scale", scale)
-  softcap = None if logits_soft_cap is None else positive_number("logits_soft_cap",
-                                                                   logits_soft_cap)
+  softcap = soft_cap(logits_soft_cap)
   segments = _check_segments(segment_ids, lead, t, s)
   for name, lengths in (("query_seq_lengths", query_seq_lengths),
                         ("key_value_seq_lengths", key_value_seq_lengths)):

@@ -241,8 +241,7 @@ def check(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, 
   _validate.check_sinks(sinks, n)
   scale = 1.0 / h ** 0.5 if options.scale is None else _validate.positive_number(
       "scale", options.scale)
-  softcap = None if options.logits_soft_cap is None else _validate.positive_number(
-      "logits_soft_cap", options.logits_soft_cap)
+  softcap = _validate.soft_cap(options.logits_soft_cap)
   # A query's distance to a key it sees is below 2**32 (positions are any int32, not slots):
   # lefts past it change nothing.
   window = _validate.check_window(options.local_window_size, 2**32 - 1, s_max)

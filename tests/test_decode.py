@@ -513,6 +513,8 @@ def _call(**change):
     ({"sinks": jnp.zeros((2,))}, "sinks must have shape"),
     ({"scale": -1.0}, "scale must be finite and > 0"),
     ({"logits_soft_cap": 0.0}, "logits_soft_cap must be finite and > 0"),
+    ({"scale": 1e39}, "scale must be at most 3.40282e+38 (float32's largest)"),
+    ({"logits_soft_cap": 1e38}, "logits_soft_cap must be at most 1e+30 (float32 flushes"),
     ({"local_window_size": -1}, "local_window_size must be non-negative"),
     ({"backend": "cuda"}, "backend must be one of"),
     ({"strategy": "tree"}, "strategy must be one of"),

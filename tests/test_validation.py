@@ -258,6 +258,14 @@ def test_numbers_past_float_and_unknown_explain_options_are_named():
   for name in ("scale", "logits_soft_cap"):
     with pytest.raises(ValueError, match=f"{name} must be finite and > 0"):
       ringflash.ring_attention(q, key, v, mesh=mesh, **{name: 10**400})
+  # Finite in Python, not in float32 (inf there, and finite inputs gave NaN); a soft-cap
+  # past 1e30 (float32 flushed score / cap to 0: every score of a row 0 at 1e38).
+  for name, value, message in (
+      ("scale", 1e39, "scale must be at most 3.40282e+38 (float32's largest), got 1e+39"),
+      ("logits_soft_cap", 1e39, "logits_soft_cap must be at most 1e+30 (float32 flushes"),
+      ("logits_soft_cap", 1e38, "logits_soft_cap must be at most 1e+30 (float32 flushes")):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      ringflash.ring_attention(q, key, v, mesh=mesh, **{name: value})
   with pytest.raises(TypeError, match="explain\\(\\) got an unexpected keyword argument 'foo'"):
     ringflash.explain(q, key, v, mesh=mesh, foo=1)
 
