@@ -178,6 +178,9 @@ def job_from_flags(values: flags.FlagValues = FLAGS) -> Job:
   if prompt % v.ring or not 0 < prompt < task.seq_len:
     raise UsageError(f"--prompt_len={prompt} must be divisible by --ring={v.ring} and "
                      f"between 1 and the checkpoint's seq_len - 1 = {task.seq_len - 1}")
+  if v["cpu_devices"].present and v.platform != "cpu":
+    raise UsageError(f"--cpu_devices applies to --platform=cpu (simulated devices), not "
+                     f"--platform={v.platform}, which takes the devices JAX finds")
   if v.backend not in ("auto", "xla", "pallas_tpu", "pallas_gpu"):
     raise UsageError(f"--backend must be auto, xla, pallas_tpu or pallas_gpu, got "
                      f"{v.backend!r}")

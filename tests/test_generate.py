@@ -240,6 +240,9 @@ def test_generate_command_end_to_end(checkpoint):
                                "'pallas_gpu' runs on GPUs"),
     (["--tie_tolerance=nan"], "flag --tie_tolerance=nan: must be a finite number"),
     (["--tie_tolerance=inf"], "flag --tie_tolerance=inf: must be a finite number"),
+    # it did nothing there, and the error that followed named --ring
+    (["--platform=default", "--cpu_devices=8"], "--cpu_devices applies to --platform=cpu "
+                                                "(simulated devices), not --platform=default"),
 ])
 def test_a_flag_mistake_is_one_line_and_status_2(checkpoint, args, names):
   if args and args[0].startswith("--checkpoint_dir") or not args:
