@@ -25,7 +25,18 @@ Non-finite values, the same on every backend: a NaN or Inf in a position a row a
 (its query, or the key or value of a key it sees) makes that row's output non-finite, and
 the gradients that depend on it; one in a position the row does not see never reaches it.
 "No valid key" (o = 0, lse = -inf) is decided by the mask alone, never by a NaN statistic
-(`has_key`). The caller applies `guard_kv` to K/V and `guard_q` to Q once before forward
+(`has_key`).
+
+Scores below float32's range: a finite query and key whose scaled product overflows float32
+give a score of -inf, as a masked pair does. A row whose valid scores are ALL such has no
+float32 answer (exactly, a one-hot on the largest true score), yet must not pass for a row
+without keys (0, a silently wrong finite answer). So the kernels floor the running max of a
+row that met a valid key at LOWEST (float32's lowest finite value), and such a row ends with
+o = 0 and lse = LOWEST (`finish_rows`): a merge weighs it exactly 0 beside any row part with a
+representable score, and so does a sink; where LOWEST is still a row's final lse, the API
+makes that row NaN (ringflash/_inputs.py, `overflowed_rows`), as a softmax over -inf does.
+
+The caller applies `guard_kv` to K/V and `guard_q` to Q once before forward
 kernels and `guard_backward` once before backward kernels (the ring does, before its pieces
 travel); the kernels then only need `where` masks (never a product) between masked pairs and
 their scores, and "no key" taken from the running max and sum.
@@ -43,6 +54,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -295,7 +307,8 @@ def guard_backward(q, k, v, out, dout, lse, dlse=None):
   backward kernel (p^T dout, ds^T q, ds k, dout v^T, rowsum(dout * out)) carries a NaN into
   a row or key through a pair of weight 0. What a row saw is carried by its statistics
   instead: the forward made lse NaN for every row that saw a non-finite query, key or value
-  (guard_kv), and here lse becomes NaN for the rows whose dout (or dlse) is non-finite; then
+  (guard_kv), and here lse becomes NaN for the rows whose dout (or dlse) is non-finite, and
+  for the rows whose valid scores were all below float32's range (lse = LOWEST); then
   p = exp(s - lse) is NaN on exactly the visible pairs of those rows, which are the
   gradients that depend on the bad values. A row whose cotangents are all zero contributes
   nothing, NaN or not (its lse becomes -inf, as for a row without keys): a loss that masks
@@ -322,8 +335,39 @@ def guard_backward(q, k, v, out, dout, lse, dlse=None):
     silent = silent & (dlse == 0)
     dlse = zero(dlse)
   lse = jnp.where(row_bad & (lse != -jnp.inf), jnp.nan, lse)
+  # A row whose valid scores were all below float32's range is NaN (the forward's
+  # overflowed_rows, ringflash/_inputs.py): so are its gradients, where the loss reads it.
+  lse = jnp.where(lse == LOWEST, jnp.nan, lse)
   lse = jnp.where(silent, -jnp.inf, lse)
   return zero(q), zero(k), zero(v), zero(out), zero(dout), lse, dlse
+
+
+LOWEST = float(np.finfo(np.float32).min)
+
+
+def floor_at_lowest(m):
+  """m with -inf raised to LOWEST (NaN stays NaN: a `where`, not a max, which some hardware
+  computes as maxNum): the running max of a row that met a valid key."""
+  return jnp.where(m < LOWEST, LOWEST, m)
+
+
+def finish_rows(m, l, m_scale=1.0):
+  """The end of an online softmax, per row: (inv, lse) with o = acc * inv.
+
+  m: the running max (in the units m * m_scale of natural-log scores; m_scale = ln 2 for a
+  base-2 max), floored at LOWEST once the row met a valid key; l: the running sum.
+    no valid key (m = -inf, l = 0):            inv = 0, lse = -inf;
+    every valid score below float32 (m = LOWEST, l finite): inv = 0, lse = LOWEST;
+    a NaN (l NaN):                             inv NaN, lse NaN;
+    otherwise:                                 inv = 1 / l, lse = m * m_scale + log(l).
+  """
+  floor_only = (m == LOWEST) & ~jnp.isnan(l)
+  real = has_key(m, l) & ~floor_only
+  l_safe = jnp.where(real, l, 1.0)
+  inv = jnp.where(real, 1.0 / l_safe, 0.0)
+  lse = jnp.where(real, m * m_scale + jnp.log(l_safe),
+                  jnp.where(floor_only, LOWEST, -jnp.inf))
+  return inv, lse
 
 
 def has_key(m, l):

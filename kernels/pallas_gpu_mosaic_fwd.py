@@ -165,11 +165,17 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
           s = jnp.where(valid, s, -jnp.inf)
         # m is kept in base-2 units of the scaled logits: p = 2^(c s - m).
         m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+        # A row that met a valid key keeps m >= LOWEST, also where all its valid scores
+        # are below float32's range (c s = -inf; kernels/base.py): one select a row, and on
+        # masked tiles the row's LOWEST-or--inf from its mask.
         if use_mask:
+          met = jnp.where(valid, base.LOWEST, s).max(axis=1)    # s: -inf where masked
+          m_new = jnp.where(m_new < met, met, m_new)
           # A row with no valid key so far keeps m = -inf; shift it by 0 instead, so that
           # its p and alpha are exactly 0 and no (-inf) - (-inf) appears.
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         else:
+          m_new = base.floor_at_lowest(m_new)
           m_use = m_new
         alpha = jnp.exp2(m_i - m_use)
         p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
@@ -270,10 +276,8 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, plan, *, scale: float, causal: 
       acc, m_i, l_i = carry
       pl.when(wg == 0)(turn)
 
-      ok = base.has_key(m_i, l_i)
-      inv = jnp.where(ok, 1.0 / jnp.where(ok, l_i, 1.0), 0.0)
+      inv, lse = base.finish_rows(m_i, l_i, common.LN2)
       o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-      lse = jnp.where(ok, m_i * common.LN2 + jnp.log(jnp.where(ok, l_i, 1.0)), -jnp.inf)
       lse_smem = lse_smem2.at[wg]
       lse_smem[...] = lse
       o_ref.at[bi, head, pl.ds(q_base, bq)][...] = o

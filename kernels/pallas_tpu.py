@@ -591,9 +591,12 @@ def _fwd_kernel(bounds_ref, span_ref, *refs, t: _Tile, tiling: _Tiling):
     for c in range(t.hk):
       s = t.scores(t.stack_rows(q_ref, c), k_ref[:, c, :])        # [G * bq, bk]
       if valid is not None:
-        s = jnp.where(valid, s, -jnp.inf)
+        # A valid score below float32's range (-inf) counts as LOWEST (kernels/base.py).
+        s = jnp.where(valid, base.floor_at_lowest(s), -jnp.inf)
       m = m_sc[:, c:c + 1]                                        # [G * bq, 1]
       m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+      if valid is None:                                           # every key valid
+        m_new = base.floor_at_lowest(m_new)
       # A row with no valid key so far keeps m = -inf; it is shifted by 0 so that no
       # (-inf) - (-inf) appears: its p and alpha are then exactly 0. NaN stays NaN.
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -608,11 +611,12 @@ def _fwd_kernel(bounds_ref, span_ref, *refs, t: _Tile, tiling: _Tiling):
   @pl.when(j == tiling.nk - 1)
   def _finish():
     m, l = m_sc[...], l_sc[...]                                   # [G * bq, lanes]: head c
-    ok = base.has_key(m, l)
-    l_safe = jnp.where(ok, l, 1.0)
-    lse_t = jnp.transpose(jnp.where(ok, m + jnp.log(l_safe), -jnp.inf))   # [lanes, G * bq]
+    inv, lse = base.finish_rows(m, l)
+    lse_t = jnp.transpose(lse)                                    # [lanes, G * bq]
     for c in range(t.hk):
-      o = jnp.where(ok[:, c:c + 1], acc_sc[c] / l_safe[:, c:c + 1], 0.0)  # [G * bq, Hv]
+      # inv = 0: no key, or only scores below float32 (acc may then be inf).
+      inv_c = inv[:, c:c + 1]
+      o = jnp.where(inv_c == 0, 0.0, acc_sc[c] * inv_c)           # [G * bq, Hv]
       for g in range(t.g):
         o_ref[:, c * t.g + g, :] = o[g * t.bq:(g + 1) * t.bq]
         lse_ref[pl.ds(c * t.g + g, 1), :] = lse_t[c:c + 1, g * t.bq:(g + 1) * t.bq]

@@ -103,8 +103,9 @@ def forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
         sc = base.capped(jnp.einsum("bqkgh,bskh->bkgqs", qt, kt, precision=prec,
                                     preferred_element_type=jnp.float32) * spec.scale, spec)
         # Masked pairs get -inf by a `where`: a NaN score of a key this row does not see
-        # (kernels/base.py, guard_kv) never reaches it.
-        sc = jnp.where(valid[:, None, None], sc, -jnp.inf)
+        # (kernels/base.py, guard_kv) never reaches it. A valid score below float32's range
+        # (-inf) counts as LOWEST there, so a row that met a valid key has m >= LOWEST.
+        sc = jnp.where(valid[:, None, None], base.floor_at_lowest(sc), -jnp.inf)
         # One copy of the scores for the max and the exponent: XLA may otherwise recompute the
         # product inside each consumer's fusion, summed in another order, and at scores near
         # 1e9 the two roundings differ by more than exp's range (sc - m > 88: inf, then NaN).
@@ -127,9 +128,9 @@ def forward_tiles(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
             base.filled((b, kh, g, bq), 0.0, refs),
             base.filled((b, kh, g, bq, hv), 0.0, refs))
     m, l, acc = lax.fori_loop(0, nk, kv_step, init)
-    ok = base.has_key(m, l)
-    lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
-    o = jnp.where(ok[..., None], acc / jnp.where(ok, l, 1.0)[..., None], 0.0)
+    inv, lse = base.finish_rows(m, l)
+    # inv = 0: no key, or only scores below float32 (whose acc, weighted 1 each, may be inf).
+    o = jnp.where(inv[..., None] == 0, 0.0, acc * inv[..., None])
     return o.transpose(0, 3, 1, 2, 4), lse              # [B, bq, K, G, Hv], [B, K, G, bq]
 
   o_tiles, lse_tiles = lax.map(q_tile, jnp.arange(nq))  # [nq, B, bq, K, G, Hv], [nq, ...]

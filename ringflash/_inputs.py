@@ -346,6 +346,24 @@ def _typed_like(x, ref):
 _sink_rescale.defvjp(_sink_rescale_fwd, _sink_rescale_bwd)
 
 
+def overflowed_rows(out, lse):
+  """Rows whose every valid score lay below float32's range made NaN, out and lse.
+
+  Finite inputs whose scaled products overflow float32 give scores of -inf, as masked pairs
+  do; the kernels mark a row that met valid keys but only such scores with lse = LOWEST
+  (kernels/base.py), and the merges and sinks keep it there only where nothing else in the
+  row's softmax is representable. float32 has no answer for such a row (exactly, a one-hot
+  on the largest true score): it becomes NaN, as a softmax over scores of -inf makes it,
+  instead of a silently wrong 0. NaN is added, so the cotangents pass as they are: the backward
+  (base.guard_backward) makes the row's gradients NaN where the loss reads it.
+
+  Args:
+    out [B, T, N, Hv], lse [B, N, T] float32 (after sinks).
+  """
+  nan = jnp.where(lse == base.LOWEST, jnp.nan, 0.0).astype(jnp.float32)   # [B, N, T]
+  return out + nan.transpose(0, 2, 1)[..., None].astype(out.dtype), lse + nan
+
+
 def finish(call: _validate.Call, out, lse, sinks, rows=None, lead_order=None):
   """The strategy's (out [B, T', N, Hv], lse [B, N, T']) in the user's shapes: sinks added,
   padding trimmed (rows: padded_rows' (rows, back) of the queries, where a zigzag or striped
@@ -353,6 +371,7 @@ def finish(call: _validate.Call, out, lse, sinks, rows=None, lead_order=None):
   (out, lse) or out alone as return_residual says."""
   if sinks is not None:
     out, lse = add_sinks(out, lse, sinks)
+  out, lse = overflowed_rows(out, lse)
   if rows is None:
     out, lse = out[:, :call.t], lse[:, :, :call.t]
   else:

@@ -360,7 +360,7 @@ def _decode(query, key_cache, value_cache, cache_lengths, cache_positions, sinks
     out, lse = fn(*args)
     if sinks is not None:
       out, lse = _inputs.add_sinks(out, lse, sinks)
-    return out, lse
+    return _inputs.overflowed_rows(out, lse)
 
   def attend_fwd(args, sinks):
     return attend(args, sinks), None

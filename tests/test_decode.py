@@ -262,6 +262,35 @@ def test_a_window_of_any_int32_distance_is_exact():
     _close(got, _reference(q, key, v, np.array([20]), positions=seen))
 
 
+@pytest.mark.parametrize("strategy", ["reduce", "ring", "allgather"])
+def test_scores_below_float32_make_their_token_nan_not_zero(strategy):
+  """A query of -1e38 against positive keys: every score it sees is below float32's range
+  (-inf from finite inputs). That token's heads become NaN, out and lse, not 0 as a token
+  without keys; with sinks (which then take all the weight) 0 and lse the sink, as the oracle
+  gives. Other tokens are exact."""
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(7, 2, 2, 64, 4, 2, 16)
+  key = jnp.abs(key) + 0.5
+  lengths = jnp.array([30, 64], jnp.int32)
+  q = q.at[0, 1, 1].set(-1e38)
+  sinks = jnp.array([0.5, -1.0, 2.0, 0.0], jnp.float32)
+  kv = _sharded(mesh, key, v)
+  keep = np.ones((2, 2, 4), bool)
+  keep[0, 1, 1] = False
+  for s in (None, sinks):
+    out, lse = ringflash.decode_attention(q, *kv, cache_lengths=lengths, mesh=mesh, sinks=s,
+                                          strategy=strategy, return_residual=True)
+    ref = _reference(q, key, v, lengths, sinks=s)
+    if s is None:
+      assert bool(jnp.all(jnp.isnan(out[0, 1, 1]))) and bool(jnp.isnan(lse[0, 1, 1]))
+      assert helpers.max_err(out[keep], ref[0][keep]) <= helpers.fp32_tol(ref[0][keep])
+      assert helpers.max_err(jnp.swapaxes(lse, 1, 2)[keep],
+                             jnp.swapaxes(ref[1], 1, 2)[keep]) <= helpers.fp32_tol(ref[1])
+    else:
+      assert bool(jnp.all(out[0, 1, 1] == 0)) and float(lse[0, 1, 1]) == -1.0
+      _close((out, lse), ref)
+
+
 def test_non_finite_in_an_unseen_slot_never_reaches_a_token():
   mesh = helpers.mesh_of(4)
   q, key, v = _inputs(5, 2, 1, 64, 4, 2, 16)

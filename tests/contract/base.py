@@ -828,6 +828,69 @@ class ContractTests:
     if where == "q":
       assert np.all(np.isfinite(dk[0, ~seen])) and np.all(np.isfinite(dv[0, ~seen]))
 
+  @pytest.mark.parametrize("ring_size,sinks", [(4, False), (4, True), (1, False)],
+                           ids=["P4", "P4-sinks", "P1"])
+  def test_scores_below_float32_make_their_row_nan_not_zero(self, ring_size, sinks):
+    """Finite inputs whose scores overflow float32: the rows whose every valid score is -inf
+    (q = -1e38 against positive keys) have no float32 answer and become NaN, out and lse,
+    with non-finite gradients where the loss reads them; they never pass for rows without
+    keys (0). With sinks the exact answer is representable (the sink takes all the weight):
+    out 0, lse the sink, and every output and gradient equals the oracle's. Other rows are
+    exact either way. Causal, so each such row meets keys over several ring steps."""
+    self.require("ring")
+    vocab, oracle_vocab = self._nonfinite_vocab(None, sinks)
+    case = self.adapt(RingCase("overflow", ring_size, causal=True))
+    q, k, v, dout, _ = self._inputs(case)
+    t, p = q.shape[1], case.ring_size
+    k = (jnp.abs(k.astype(jnp.float32)) + 0.5).astype(k.dtype)   # q.k < -3.4e38 below
+    over = np.arange(t) % 5 == 2
+    q_over = jnp.where(jnp.asarray(over)[None, :, None, None], jnp.asarray(-1e38, q.dtype), q)
+    mesh = self.mesh(p)
+
+    def ring(a, b_, c):
+      return ringflash.ring_attention(a, b_, c, mesh=mesh, **self.options(), is_causal=True,
+                                      return_residual=True, backend=self.BACKEND, **vocab,
+                                      block_sizes=self.block_sizes(t // p, t // p))
+
+    def dense(upcast):
+      return lambda a, b_, c: oracle.attention(a, b_, c, causal=True, upcast=upcast,
+                                               **oracle_vocab)
+
+    def with_grads(attn, q_, mask=None):
+      def loss(a, b_, c):
+        o = attn(a, b_, c)[0].astype(jnp.float32) * dout
+        return jnp.sum(o if mask is None else jnp.where(mask, o, 0.0))
+      return tuple(jax.jit(attn)(q_, k, v)) + tuple(
+          jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q_, k, v))
+
+    low = jnp.dtype(q.dtype) != jnp.float32
+    if sinks:
+      got = with_grads(ring, q_over)
+      out, lse = (np.asarray(x, np.float32) for x in got[:2])
+      assert np.all(out[0, over] == 0.0), "the sink takes all the weight: 0"
+      np.testing.assert_array_equal(lse[0][:, over],
+                                    np.broadcast_to(np.asarray(vocab["sinks"])[:, None],
+                                                    (N, int(over.sum()))))
+      self.check(got, with_grads(dense(True), q_over), with_grads(dense(False), q_over),
+                 low_precision=low)
+      return
+    out, lse = (np.asarray(x, np.float32) for x in jax.jit(ring)(q_over, k, v))
+    assert np.all(np.isnan(out[0, over])), "a row with only scores below float32: NaN, not 0"
+    assert np.all(np.isnan(lse[0][:, over]))
+    # The other rows, and the gradients with the loss masked to them, against the oracle on
+    # inputs without the overflowing rows (their queries never reach another row).
+    keep = jnp.asarray(~over)[None, :, None, None]
+    got = with_grads(ring, q_over, keep)
+    want = with_grads(dense(True), q, keep)
+    plain = with_grads(dense(False), q, keep)
+    got, want, plain = ([x[0, ~over] for x in r[:1]] + [r[1][0][:, ~over]] + list(r[2:])
+                        for r in (got, want, plain))
+    got[2], want[2], plain[2] = (x[0, ~over] for x in (got[2], want[2], plain[2]))
+    self.check(got, want, plain, low_precision=low)
+    # The loss reads them: their query gradients are non-finite.
+    dq = np.asarray(with_grads(ring, q_over)[2], np.float32)
+    assert np.all(np.any(~np.isfinite(dq[0, over]), axis=-1))
+
   def test_lse_cotangent_flows(self):
     """With return_residual, gradients through lse are exact too."""
     self.require("ring")

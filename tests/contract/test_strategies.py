@@ -101,6 +101,12 @@ def test_nonfinite_rule(strategy, where):
   _Strategy(strategy).test_nonfinite_values_a_row_does_not_see_never_reach_it(where, None, False)
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_scores_below_float32(strategy, sinks):
+  _Strategy(strategy).test_scores_below_float32_make_their_row_nan_not_zero(4, sinks)
+
+
 @pytest.mark.parametrize("strategy,options,n,k,mesh_axes,says", [
     ("allgather", dict(bidirectional=True), 4, 2, ("sp",), "bidirectional=True.*'allgather'"),
     ("ulysses", dict(bidirectional=True), 4, 2, ("sp",), "bidirectional=True.*'ulysses'"),
