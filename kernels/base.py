@@ -385,6 +385,14 @@ def softmax_delta(out, dout, dlse=None):
   return delta if dlse is None else delta - dlse
 
 
+def ds_dtype(dtype):
+  """The dtype of ds (and of q, k beside it) in the backward's products ds k and ds^T q:
+  the inputs' own, except float16, whose range (65504) ds = p (dp - D) passes where the
+  output cotangent is large (a loss scale of 2^15 on O(1) values is enough): float32 there.
+  bfloat16 has float32's range."""
+  return jnp.float32 if jnp.dtype(dtype) == jnp.float16 else dtype
+
+
 def matmul_precision(dtype):
   """Products of fp32 inputs at full precision (TPU would otherwise use bf16 passes)."""
   return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT

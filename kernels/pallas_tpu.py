@@ -681,7 +681,8 @@ def _dkv_kernel(bounds_ref, span_ref, *refs, t: _Tile, tiling: _Tiling):
       dp = t.mm(v_ref[:, c, :], do, transpose_b=True)            # [bk, G * bq]
       ds = jnp.where(keep, base.capped_grad(p * (dp - delta), s, t.spec), 0.0)
       dv_sc[c] += t.mm(p.astype(do.dtype), do)                    # [bk, Hv]
-      dk_sc[c] += t.spec.scale * t.mm(ds.astype(q.dtype), q)      # [bk, H]
+      ds_type = base.ds_dtype(q.dtype)                            # float16: float32
+      dk_sc[c] += t.spec.scale * t.mm(ds.astype(ds_type), q.astype(ds_type))   # [bk, H]
 
   _when(tiling.work(bounds_ref, b, i, j), compute)
 
@@ -716,7 +717,8 @@ def _dq_kernel(bounds_ref, span_ref, *refs, t: _Tile, tiling: _Tiling):
       p = jnp.where(keep, jnp.exp(s - jnp.where(row_ok, lse, 0.0)), 0.0)
       dp = t.mm(t.stack_rows(do_ref, c), v_ref[:, c, :], transpose_b=True)  # [G * bq, bk]
       ds = jnp.where(keep, base.capped_grad(p * (dp - delta), s, t.spec), 0.0)
-      dq_sc[c] += t.spec.scale * t.mm(ds.astype(k.dtype), k)      # [G * bq, H]
+      ds_type = base.ds_dtype(k.dtype)                            # float16: float32
+      dq_sc[c] += t.spec.scale * t.mm(ds.astype(ds_type), k.astype(ds_type))   # [G * bq, H]
 
   _when(tiling.work(bounds_ref, b, i, j), compute)
 

@@ -211,12 +211,14 @@ def backward_tiles(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg,
                                preferred_element_type=jnp.float32)
         dp = jnp.einsum("bqkgh,bskh->bkgqs", dot, vt, precision=prec,
                         preferred_element_type=jnp.float32)
+        ds_type = base.ds_dtype(q.dtype)
         ds = jnp.where(keep, base.capped_grad(p * (dp - dt[..., None]), sc, spec),
-                       0.0).astype(q.dtype)
-        dkt = dkt + spec.scale * jnp.einsum("bkgqs,bqkgh->bskh", ds, qt, precision=prec,
+                       0.0).astype(ds_type)
+        dkt = dkt + spec.scale * jnp.einsum("bkgqs,bqkgh->bskh", ds, qt.astype(ds_type),
+                                            precision=prec,
                                             preferred_element_type=jnp.float32)
-        dq_t = spec.scale * jnp.einsum("bkgqs,bskh->bqkgh", ds, kt, precision=prec,
-                                       preferred_element_type=jnp.float32)
+        dq_t = spec.scale * jnp.einsum("bkgqs,bskh->bqkgh", ds, kt.astype(ds_type),
+                                       precision=prec, preferred_element_type=jnp.float32)
         dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * bq, bq, 1) + dq_t, i * bq, 1)
         return dq, dkt, dvt
 

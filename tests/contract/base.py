@@ -177,6 +177,8 @@ class ContractTests:
       H), "head_dims" (any multiple of 8 up to 256), "sinks", "lengths" (sequence lengths,
       padding of uneven lengths), "batch_dims".
     SKIP: None, or why nothing here can run on this host (e.g. no Hopper GPU).
+    FLOAT16_DS: None, or why the backend's float16 backward multiplies ds in float16 (whose
+      range ds may pass where the output cotangent is large).
     SHARD_MAP_CHECK_VMA: the check_vma a caller's shard_map needs around
       ring_attention_sharded (False for Pallas kernels interpreted on CPU devices).
   """
@@ -191,6 +193,7 @@ class ContractTests:
                         "batch_dims"})
   SKIP: str | None = None
   SHARD_MAP_CHECK_VMA = True
+  FLOAT16_DS: str | None = None
 
   # ---------------------------------------------------------------------------------------
   # Capability helpers.
@@ -890,6 +893,37 @@ class ContractTests:
     # The loss reads them: their query gradients are non-finite.
     dq = np.asarray(with_grads(ring, q_over)[2], np.float32)
     assert np.all(np.any(~np.isfinite(dq[0, over]), axis=-1))
+
+  def test_float16_gradients_keep_the_range_of_float16(self):
+    """float16 with small q, k, large values and a large output cotangent (a loss scale):
+    ds = p (dp - D) reaches about 1e6, past float16's 65504, while every true gradient is
+    below 2200. The gradients are finite and within 4 float16 epsilons (2^-10) of their
+    largest, against the fp32 oracle (plain float16 dense attention is non-finite here, so
+    FlashAttention's criterion has nothing to compare with). Backends that multiply ds in
+    float16 on their hardware say so with FLOAT16_DS."""
+    self.require("ring")
+    if self.FLOAT16_DS:
+      pytest.skip(self.FLOAT16_DS)
+    case = self.adapt(RingCase("float16-range", 4, causal=True))
+    q, k, v, dout, _ = self._inputs(case)
+    q, k, v, dout = ((x.astype(jnp.float32) * f).astype(jnp.float16)
+                     for x, f in ((q, 0.01), (k, 0.01), (v, 3000.0), (dout, 30.0)))
+    p, t = case.ring_size, q.shape[1]
+    mesh = self.mesh(p)
+
+    def grads(attn):
+      def loss(a, b_, c):
+        return jnp.sum(attn(a, b_, c).astype(jnp.float32) * dout.astype(jnp.float32))
+      return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    got = grads(lambda a, b_, c: ringflash.ring_attention(
+        a, b_, c, mesh=mesh, **self.options(), is_causal=True, backend=self.BACKEND,
+        block_sizes=self.block_sizes(t // p, t // p)))
+    want = grads(lambda a, b_, c: oracle.attention(a, b_, c, causal=True)[0])
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+      assert bool(jnp.all(jnp.isfinite(g))), f"{name}: float16 overflowed"
+      scale = float(jnp.max(jnp.abs(w.astype(jnp.float32))))
+      assert helpers.max_err(g, w) <= 4 * 2.0 ** -10 * scale, (name, helpers.max_err(g, w))
 
   def test_lse_cotangent_flows(self):
     """With return_residual, gradients through lse are exact too."""
