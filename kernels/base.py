@@ -361,8 +361,9 @@ def finish_rows(m, l, m_scale=1.0):
     a NaN (l NaN):                             inv NaN, lse NaN;
     otherwise:                                 inv = 1 / l, lse = m * m_scale + log(l).
   """
-  floor_only = (m == LOWEST) & ~jnp.isnan(l)
-  real = has_key(m, l) & ~floor_only
+  # No `~`: Mosaic GPU cannot lower a bool array's not. l == l: l is not NaN.
+  floor_only = (m == LOWEST) & (l == l)
+  real = ((m > -jnp.inf) & (m != LOWEST)) | jnp.isnan(l)
   l_safe = jnp.where(real, l, 1.0)
   inv = jnp.where(real, 1.0 / l_safe, 0.0)
   lse = jnp.where(real, m * m_scale + jnp.log(l_safe),
