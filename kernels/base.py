@@ -25,7 +25,7 @@ Non-finite values, the same on every backend: a NaN or Inf in a position a row a
 (its query, or the key or value of a key it sees) makes that row's output non-finite, and
 the gradients that depend on it; one in a position the row does not see never reaches it.
 "No valid key" (o = 0, lse = -inf) is decided by the mask alone, never by a NaN statistic
-(`has_key`).
+(`finish_rows`).
 
 Scores below float32's range: a finite query and key whose scaled product overflows float32
 give a score of -inf, as a masked pair does. A row whose valid scores are ALL such has no
@@ -345,10 +345,10 @@ def guard_backward(q, k, v, out, dout, lse, dlse=None):
 LOWEST = float(np.finfo(np.float32).min)
 
 
-def floor_at_lowest(m):
-  """m with -inf raised to LOWEST (NaN stays NaN: a `where`, not a max, which some hardware
-  computes as maxNum): the running max of a row that met a valid key."""
-  return jnp.where(m < LOWEST, LOWEST, m)
+def floor_at_lowest(x):
+  """x with -inf raised to LOWEST (NaN stays NaN: a `where`, not a max, which some hardware
+  computes as maxNum): valid scores, or the running max of a row that met a valid key."""
+  return jnp.where(x < LOWEST, LOWEST, x)
 
 
 def finish_rows(m, l, m_scale=1.0):
@@ -360,6 +360,9 @@ def finish_rows(m, l, m_scale=1.0):
     every valid score below float32 (m = LOWEST, l finite): inv = 0, lse = LOWEST;
     a NaN (l NaN):                             inv NaN, lse NaN;
     otherwise:                                 inv = 1 / l, lse = m * m_scale + log(l).
+  A row met a key where its max left -inf or its sum is NaN (a NaN score; max reductions on
+  some hardware skip NaN operands): rows whose every valid score is NaN must not pass for
+  rows without keys, nor for rows of scores below float32.
   """
   # No `~`: Mosaic GPU cannot lower a bool array's not. l == l: l is not NaN.
   floor_only = (m == LOWEST) & (l == l)
@@ -369,13 +372,6 @@ def finish_rows(m, l, m_scale=1.0):
   lse = jnp.where(real, m * m_scale + jnp.log(l_safe),
                   jnp.where(floor_only, LOWEST, -jnp.inf))
   return inv, lse
-
-
-def has_key(m, l):
-  """Whether a row's online softmax met a valid key: its running max left -inf, or its sum
-  is NaN (a NaN score; max reductions on some hardware skip NaN operands). Rows whose every
-  valid score is NaN must not pass for rows without keys."""
-  return (m > -jnp.inf) | jnp.isnan(l)
 
 
 def softmax_delta(out, dout, dlse=None):
