@@ -45,6 +45,12 @@ the same way and multiply dS by 1 - t^2 before the dK and dQ products. On the H2
 H = 128) a capped forward runs at 0.81-0.83x the plain one's speed and forward+backward at
 0.89-0.91x (docs/GPU_NOTES.md runs 86, 89 and 121; runs 41-74, 82-83 and 118-119 say why).
 
+float16 (a static branch; bfloat16 is untouched): the backwards multiply ds = p (dp - D) by
+q and k in float16 on the tensor cores, and ds passes 65504 where the output cotangent is
+large while the gradients are small. backward scales ds per kv head by a power of two into
+range from outside the kernels (through v, out and dlse) and divides dq and dk back
+(_float16_ds_range); where ds cannot pass 2^15 the scale is 1.
+
 The Mosaic GPU kernels have no CPU interpreter, so the backend runs on Hopper GPUs only
 (`unsupported` says so on other devices; the Triton backward alone runs interpreted on CPU,
 where its tests call it directly).
@@ -262,6 +268,9 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   """
   h, hv = q.shape[-1], v.shape[-1]
   kernel = backward_kernel(h, hv, k.shape[1], spec.interpret)
+  gamma = None
+  if q.dtype == jnp.float16:                    # a static branch: bfloat16 is untouched
+    gamma, v, out, dlse = _float16_ds_range(v, out, dout, dlse, spec.scale)
   if kernel == "mosaic":
     from ringflash.kernels import pallas_gpu_mosaic_bwd  # pylint: disable=g-import-not-at-top
     hp, hvp = mosaic_dim(h), mosaic_dim(hv)
@@ -280,11 +289,64 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
                             keys_major=triton_keys_major(hp, hvp))
   dq, dk, dv = run(_pad_last(q, hp), _pad_last(k, hp), _pad_last(v, hvp), _pad_last(out, hvp),
                    lse, _pad_last(dout, hvp), q_pos, k_pos, q_seg, k_seg, spec)
+  if gamma is not None:                 # dq and dk came out times gamma; dv does not see it
+    kh = k.shape[2]
+    dq = dq / jnp.repeat(gamma, q.shape[2] // kh, axis=1)[:, None, :, None]
+    dk = dk / gamma[:, None, :, None]
   if hp != h:
     dq, dk = dq[..., :h], dk[..., :h]
   if hvp != hv:
     dv = dv[..., :hv]
   return dq, dk, dv
+
+
+# The largest |ds| a float16 backward lets through before its products, where float16's
+# largest finite value is 65504 (a bound, so half of that).
+FLOAT16_DS_LIMIT = 2.0 ** 15
+
+
+def _float16_ds_range(v, out, dout, dlse, scale: float):
+  """Keeps ds = p (dp - D) inside float16 for the kernels' float16 products ds k and ds^T q.
+
+  The kernels multiply ds in the inputs' dtype on the tensor cores (one dtype for both
+  operands), and with a loss scale or large values ds passes 65504 while every gradient is
+  small. Per batch row and kv head, gamma = 2^-e (e >= 0) brings a bound on |ds| below
+  FLOAT16_DS_LIMIT; the kernels then see v gamma (so dp = dout v^T comes out times gamma) and,
+  through out gamma and dlse gamma, D = rowsum(dout out) - dlse times gamma, so that ds and
+  with it dq and dk come out times gamma, which the caller divides out in float32. dv = p^T
+  dout does not read v. gamma is a power of two: nothing is rounded except values of v gamma
+  that fall below float16's normal range, whose error (2^-25 each, in the scaled units) is
+  far below float16's rounding of ds at the bound. Where the bound is below the limit,
+  gamma = 1 and the kernels see their inputs unchanged.
+
+  The bound: |ds_ij| <= max(1, scale) (|dout_i| |v_j| + |D_i|) (Cauchy-Schwarz; p <= 1, a
+  soft-cap's derivative <= 1; the Triton backward scales after its cast, the Mosaic ones
+  before). Non-finite norms and D are left out: a row or key that holds one is non-finite in
+  its gradients anyway (the non-finite rule), and the others keep their own range.
+
+  Returns gamma float32 [B, K], v (float16), out (float32) and dlse scaled."""
+  b, t, n, _ = dout.shape
+  kh = v.shape[2]
+  grp = n // kh
+
+  def finite_max(x, axes):
+    return jnp.max(jnp.where(jnp.isfinite(x), x, 0.0), axis=axes)
+
+  d_norm = jnp.linalg.norm(dout.astype(jnp.float32), axis=-1)              # [B, T, N]
+  d_norm = finite_max(d_norm.reshape(b, t, kh, grp), (1, 3))               # [B, K]
+  v_norm = finite_max(jnp.linalg.norm(v.astype(jnp.float32), axis=-1), 1)  # [B, K]
+  delta = base.softmax_delta(out, dout, dlse)                               # [B, N, T]
+  d_max = finite_max(jnp.abs(delta).reshape(b, kh, grp, t), (2, 3))        # [B, K]
+  bound = max(1.0, scale) * (d_norm * v_norm + d_max)
+  e = jnp.ceil(jnp.log2(jnp.maximum(bound, 1.0) / FLOAT16_DS_LIMIT))
+  e = jnp.where(jnp.isfinite(e), jnp.maximum(e, 0.0), 0.0)
+  gamma = jnp.exp2(-e).astype(jnp.float32)                                 # exact: 2^-e
+  v = (v.astype(jnp.float32) * gamma[:, None, :, None]).astype(v.dtype)
+  g_rows = jnp.repeat(gamma, grp, axis=1)                                  # [B, N]
+  out = out.astype(jnp.float32) * g_rows[:, None, :, None]
+  if dlse is not None:
+    dlse = dlse * g_rows[:, :, None]
+  return gamma, v, out, dlse
 
 
 # JAX cannot differentiate a pallas_call: grad of grad says so, naming the backend.

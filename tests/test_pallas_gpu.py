@@ -211,6 +211,73 @@ def test_backward_interpret_nan_row_reaches_only_the_keys_it_sees(row):
     np.testing.assert_array_equal(g[~seen], g0[~seen])
 
 
+def _float16_large(seed, b, t, n, kh, h, hv):
+  """float16 q, k x 0.01, v x 3000 and dout x 30: ds = p (dp - D) reaches about 1e6, past
+  float16's 65504, while every gradient stays far inside float16's range."""
+  q, k, v, do = _inputs(seed, b, t, t, n, kh, h, hv, jnp.float32)
+  return tuple((x * f).astype(jnp.float16)
+               for x, f in ((q, 0.01), (k, 0.01), (v, 3000.0), (do, 30.0)))
+
+
+@pytest.mark.parametrize("h,hv,lse_cotangent,kernel", [
+    (64, 64, False, "triton"), (192, 128, True, "triton"),
+    pytest.param(128, 128, True, "mosaic", marks=needs_hopper),
+    pytest.param(192, 128, False, "wide", marks=needs_hopper)])
+def test_float16_backward_keeps_the_range_of_float16(h, hv, lse_cotangent, kernel):
+  """The backend's float16 backward where ds passes 65504 (the Triton kernels interpreted on
+  CPU; the fused and the wide Mosaic kernels on a Hopper GPU): the kernels multiply ds in
+  float16, so pallas_gpu.backward scales it by a power of two per kv head into range and
+  divides dq and dk back (_float16_ds_range). The gradients are finite and within 4 float16
+  epsilons (2^-10) of their largest against the fp32 oracle, also with a cotangent of lse
+  (return_residual), which enters D."""
+  b, n, kh = 1, 4, 2
+  interpret = kernel == "triton"
+  t = 128 if interpret else 256
+  assert pallas_gpu.backward_kernel(h, hv, t, interpret) == kernel
+  q, k, v, do = _float16_large(7, b, t, n, kh, h, hv)
+  dlse = (jax.random.normal(jax.random.key(8), (b, n, t), jnp.float32) * 3e4
+          if lse_cotangent else None)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  spec = base.KernelSpec(scale=h ** -0.5, causal=True,
+                         tiles=ringflash.GpuBlockSizes(64, 64, 2), interpret=interpret)
+  out, lse = oracle.attention(q, k, v, causal=True)
+  got = pallas_gpu.backward(q, k, v, out.astype(q.dtype), lse, do, pos, pos, None, None, spec,
+                            dlse=dlse)
+  _, vjp = jax.vjp(lambda *a: oracle.attention(*a, causal=True), q, k, v)
+  want = vjp((do.astype(jnp.float32), jnp.zeros_like(lse) if dlse is None else dlse))
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    assert bool(jnp.all(jnp.isfinite(g))), f"{name}: float16 overflowed"
+    bound = 4 * 2.0 ** -10 * float(jnp.max(jnp.abs(w.astype(jnp.float32))))
+    assert _max_err(g, w) <= bound, (name, _max_err(g, w), bound)
+
+
+def test_float16_ds_range_leaves_ordinary_inputs_alone_and_skips_non_finite():
+  """gamma is 1 where ds cannot leave float16's range (O(1) inputs: v and out reach the
+  kernels unchanged), a power of two per kv head otherwise, chosen from the finite values
+  only: a NaN value in one key leaves the scale of the other keys' gradients as it was."""
+  b, t, n, kh, h = 2, 64, 4, 2, 64
+  _, _, v, do = _inputs(3, b, t, t, n, kh, h, h, jnp.float16)
+  out = (do.astype(jnp.float32) * 0.5).astype(jnp.float16)
+  gamma, v1, out1, _ = pallas_gpu._float16_ds_range(v, out, do, None, h ** -0.5)
+  np.testing.assert_array_equal(np.asarray(gamma), 1.0)
+  np.testing.assert_array_equal(np.asarray(v1), np.asarray(v))
+  np.testing.assert_array_equal(np.asarray(out1), np.asarray(out.astype(jnp.float32)))
+  big_v = (v.astype(jnp.float32) * 3000).astype(jnp.float16)
+  big_v = big_v.at[1, 5:, 0].multiply(0.001)           # batch 1, kv head 0: small again
+  big_do = (do.astype(jnp.float32) * 30).astype(jnp.float16)
+  gamma, v2, _, _ = pallas_gpu._float16_ds_range(big_v, out, big_do, None, h ** -0.5)
+  g = np.asarray(gamma)
+  assert np.all(g <= 2.0 ** -3) and np.all(np.log2(g) == np.round(np.log2(g))), g
+  with_nan, _, _, _ = pallas_gpu._float16_ds_range(big_v.at[0, 3, 1, 0].set(jnp.nan), out,
+                                                   big_do, None, h ** -0.5)
+  np.testing.assert_array_equal(np.asarray(with_nan), g)
+  # v2 = v gamma exactly where v gamma stays in float16's normal range
+  ratio = v2.astype(jnp.float32) / big_v.astype(jnp.float32)
+  normal = jnp.abs(v2.astype(jnp.float32)) >= 2.0 ** -14
+  np.testing.assert_array_equal(np.asarray(jnp.where(normal, ratio, 0.0)),
+                                np.asarray(jnp.where(normal, g[:, None, :, None], 0.0)))
+
+
 # ----------------------------------------------------------------------------- CPU: lowering
 
 
@@ -295,13 +362,13 @@ def _in_shard_map(fn, seq_dims, out_dims, mesh=None):
                        out_specs=tuple(map(seq, out_dims)))
 
 
-def _kernel_fn(which, causal, segs, window, n, kh, h, hv, t, softcap):
+def _kernel_fn(which, causal, segs, window, n, kh, h, hv, t, softcap, dtype=jnp.bfloat16):
   """(fn, ShapeDtypeStructs of its arguments, sequence dims of args and outputs) of the
   backend's forward or backward, with the backend's default tiles."""
   b = 2 if segs else 1
-  q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
-  v = jax.ShapeDtypeStruct((b, t, kh, hv), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
+  k = jax.ShapeDtypeStruct((b, t, kh, h), dtype)
+  v = jax.ShapeDtypeStruct((b, t, kh, hv), dtype)
   pos = jax.ShapeDtypeStruct((t,), jnp.int32)
   seg = jax.ShapeDtypeStruct((b, t), jnp.int32) if segs else None
   if t % 128:       # a backward alone: the forward's tiles would refuse t
@@ -314,7 +381,7 @@ def _kernel_fn(which, causal, segs, window, n, kh, h, hv, t, softcap):
   if which == "forward":
     fn = lambda q, k, v, p, s: pallas_gpu.forward(q, k, v, p, p, s, s, spec)
     return fn, [q, k, v, pos, seg], [1, 1, 1, 0, 1], [1, 2]
-  o = jax.ShapeDtypeStruct((b, t, n, hv), jnp.bfloat16)
+  o = jax.ShapeDtypeStruct((b, t, n, hv), dtype)
   lse = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
   fn = lambda q, k, v, o, lse, do, p, s: pallas_gpu.backward(q, k, v, o, lse, do, p, p, s, s,
                                                              spec)
@@ -335,6 +402,17 @@ def test_mosaic_kernels_lower_for_cuda(which, causal, segs, window, n, kh, h, hv
   # the kernel is a Mosaic GPU custom call, not a fallback
   assert "mosaic_gpu" in text
   assert "triton" not in text.lower()
+
+
+@pytest.mark.parametrize("h,hv", [(128, 128), (192, 128)])
+def test_float16_backward_lowers_for_cuda(h, hv):
+  """The float16 backward (its ds range scaling around the fused and the wide Mosaic
+  kernels) lowers for CUDA inside shard_map, as the ring calls it."""
+  assert pallas_gpu.backward_kernel(h, hv, 256, interpret=False) in ("mosaic", "wide")
+  fn, args, seq_dims, out_dims = _kernel_fn("backward", True, False, None, 4, 2, h, hv, 256,
+                                            None, dtype=jnp.float16)
+  text = _lower_for_cuda(_in_shard_map(fn, seq_dims, out_dims), *args)
+  assert "mosaic_gpu" in text and "triton" not in text.lower()
 
 
 def _abstract_h200():
