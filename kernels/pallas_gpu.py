@@ -48,7 +48,7 @@ H = 128) a capped forward runs at 0.81-0.83x the plain one's speed and forward+b
 float16 (a static branch; bfloat16 is untouched): the backwards multiply ds = p (dp - D) by
 q and k in float16 on the tensor cores, and ds passes 65504 where the output cotangent is
 large while the gradients are small. backward scales ds per kv head by a power of two into
-range from outside the kernels (through v, out and dlse) and divides dq and dk back
+range from outside the kernels (through v and D) and divides dq and dk back
 (_float16_ds_range); where ds cannot pass 2^15 the scale is 1.
 
 The Mosaic GPU kernels have no CPU interpreter, so the backend runs on Hopper GPUs only
@@ -61,6 +61,7 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
+from jax import lax
 
 from ringflash.kernels import base
 from ringflash.kernels.tiles import GpuBlockSizes
@@ -268,17 +269,17 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   """
   h, hv = q.shape[-1], v.shape[-1]
   kernel = backward_kernel(h, hv, k.shape[1], spec.interpret)
-  gamma = None
+  gamma = delta = None
   if q.dtype == jnp.float16:                    # a static branch: bfloat16 is untouched
-    gamma, v, out, dlse = _float16_ds_range(v, out, dout, dlse, spec.scale)
+    gamma, v, delta = _float16_ds_range(v, out, dout, dlse, spec.scale)
   if kernel == "mosaic":
     from ringflash.kernels import pallas_gpu_mosaic_bwd  # pylint: disable=g-import-not-at-top
     hp, hvp = mosaic_dim(h), mosaic_dim(hv)
-    run = functools.partial(pallas_gpu_mosaic_bwd.backward, dlse=dlse)
+    run = functools.partial(pallas_gpu_mosaic_bwd.backward, dlse=dlse, delta=delta)
   elif kernel == "wide":
     from ringflash.kernels import pallas_gpu_mosaic_bwd_wide  # pylint: disable=g-import-not-at-top
     hp, hvp = mosaic_dim(h), mosaic_dim(hv)
-    run = functools.partial(pallas_gpu_mosaic_bwd_wide.backward, dlse=dlse)
+    run = functools.partial(pallas_gpu_mosaic_bwd_wide.backward, dlse=dlse, delta=delta)
   else:
     from ringflash.kernels import pallas_gpu_triton_bwd  # pylint: disable=g-import-not-at-top
     pieces = triton_dims(h), triton_dims(hv)
@@ -286,7 +287,7 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
     warps, stages = triton_config(hp, hvp)
     run = functools.partial(pallas_gpu_triton_bwd.backward, dlse=dlse, block=BWD_BLOCK,
                             num_warps=warps, num_stages=stages, pieces=pieces,
-                            keys_major=triton_keys_major(hp, hvp))
+                            keys_major=triton_keys_major(hp, hvp), delta=delta)
   dq, dk, dv = run(_pad_last(q, hp), _pad_last(k, hp), _pad_last(v, hvp), _pad_last(out, hvp),
                    lse, _pad_last(dout, hvp), q_pos, k_pos, q_seg, k_seg, spec)
   if gamma is not None:                 # dq and dk came out times gamma; dv does not see it
@@ -311,20 +312,20 @@ def _float16_ds_range(v, out, dout, dlse, scale: float):
   The kernels multiply ds in the inputs' dtype on the tensor cores (one dtype for both
   operands), and with a loss scale or large values ds passes 65504 while every gradient is
   small. Per batch row and kv head, gamma = 2^-e (e >= 0) brings a bound on |ds| below
-  FLOAT16_DS_LIMIT; the kernels then see v gamma (so dp = dout v^T comes out times gamma) and,
-  through out gamma and dlse gamma, D = rowsum(dout out) - dlse times gamma, so that ds and
+  FLOAT16_DS_LIMIT; the kernels then see v gamma (so dp = dout v^T comes out times gamma) and
+  D = rowsum(dout out) - dlse times gamma (computed here once, in float32), so that ds and
   with it dq and dk come out times gamma, which the caller divides out in float32. dv = p^T
   dout does not read v. gamma is a power of two: nothing is rounded except values of v gamma
   that fall below float16's normal range, whose error (2^-25 each, in the scaled units) is
   far below float16's rounding of ds at the bound. Where the bound is below the limit,
-  gamma = 1 and the kernels see their inputs unchanged.
+  gamma = 1 and the kernels see v unchanged.
 
   The bound: |ds_ij| <= max(1, scale) (|dout_i| |v_j| + |D_i|) (Cauchy-Schwarz; p <= 1, a
   soft-cap's derivative <= 1; the Triton backward scales after its cast, the Mosaic ones
   before). Non-finite norms and D are left out: a row or key that holds one is non-finite in
   its gradients anyway (the non-finite rule), and the others keep their own range.
 
-  Returns gamma float32 [B, K], v (float16), out (float32) and dlse scaled."""
+  Returns gamma float32 [B, K], v gamma (float16) and D gamma (float32 [B, N, T])."""
   b, t, n, _ = dout.shape
   kh = v.shape[2]
   grp = n // kh
@@ -339,14 +340,11 @@ def _float16_ds_range(v, out, dout, dlse, scale: float):
   d_max = finite_max(jnp.abs(delta).reshape(b, kh, grp, t), (2, 3))        # [B, K]
   bound = max(1.0, scale) * (d_norm * v_norm + d_max)
   e = jnp.ceil(jnp.log2(jnp.maximum(bound, 1.0) / FLOAT16_DS_LIMIT))
-  e = jnp.where(jnp.isfinite(e), jnp.maximum(e, 0.0), 0.0)
-  gamma = jnp.exp2(-e).astype(jnp.float32)                                 # exact: 2^-e
+  e = jnp.where(jnp.isfinite(e), jnp.clip(e, 0.0, 126.0), 0.0).astype(jnp.int32)
+  # 2^-e built from its exponent bits: exact (a GPU's exp2 is an approximation)
+  gamma = lax.bitcast_convert_type((127 - e) << 23, jnp.float32)           # [B, K]
   v = (v.astype(jnp.float32) * gamma[:, None, :, None]).astype(v.dtype)
-  g_rows = jnp.repeat(gamma, grp, axis=1)                                  # [B, N]
-  out = out.astype(jnp.float32) * g_rows[:, None, :, None]
-  if dlse is not None:
-    dlse = dlse * g_rows[:, :, None]
-  return gamma, v, out, dlse
+  return gamma, v, delta * jnp.repeat(gamma, grp, axis=1)[:, :, None]
 
 
 # JAX cannot differentiate a pallas_call: grad of grad says so, naming the backend.

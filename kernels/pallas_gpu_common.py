@@ -157,13 +157,14 @@ def tile_plan(work, full):
 
 
 def backward_plan(lse, out, dout, dlse, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
-                  block: int):
+                  block: int, delta=None):
   """What both Mosaic backwards read besides the tensors: ld float32 [B, N, 2, T] = (lse2,
   D) per row, with lse2 = lse * log2(e) (+inf for a row with no key, so that pT = 0
   exactly; a NaN lse stays NaN) and D = rowsum(dout * out) - dlse; and the tile plan of
   tile_plan with key tiles in the role of query tiles (per key tile of `block` rows, the
-  query tiles with work)."""
-  delta = base.softmax_delta(out, dout, dlse)
+  query tiles with work). delta: D where the caller computed it (out, dlse are not read)."""
+  if delta is None:
+    delta = base.softmax_delta(out, dout, dlse)
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E).astype(jnp.float32)
   ld = jnp.stack([lse2, delta], axis=2)                       # [B, N, 2, T]
   work, full = tile_flags(q_pos, k_pos, q_seg, k_seg, spec, block, block)

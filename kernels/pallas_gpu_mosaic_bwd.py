@@ -84,14 +84,16 @@ def overlap_schedule(softcap: float | None, masked: bool) -> bool:
 
 
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
-             dlse=None, stages: int = 2):
+             dlse=None, delta=None, stages: int = 2):
   """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32.
 
   q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], out and dout [B, T, N, Hv], with H and
-  Hv in (64, 128) and S a multiple of 128.
+  Hv in (64, 128) and S a multiple of 128. delta: D [B, N, T] where the caller computed it
+  (out and dlse are then not read).
   """
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
-  ld, plan = common.backward_plan(lse, out, dout, dlse, q_pos, k_pos, q_seg, k_seg, spec, BLOCK)
+  ld, plan = common.backward_plan(lse, out, dout, dlse, q_pos, k_pos, q_seg, k_seg, spec, BLOCK,
+                                  delta)
   with base.no_vma_check():
     dq, dk, dv = _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan,
                               scale=spec.scale, causal=spec.causal, window=spec.window,

@@ -82,18 +82,20 @@ def stages_for(h: int, hv: int, itemsize: int = 2) -> tuple[int, int] | None:
 
 
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
-             dlse=None):
+             dlse=None, delta=None):
   """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32.
 
   q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], out and dout [B, T, N, Hv], with H and
   Hv multiples of 64 up to 256 and S a multiple of 128 (pairs of key tiles in the plan).
+  delta: D [B, N, T] where the caller computed it (out and dlse are then not read).
   """
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
   h, hv = q.shape[-1], v.shape[-1]
   stages = stages_for(h, hv, q.dtype.itemsize)
   if stages is None:
     raise NotImplementedError(f"head dims {h=}, {hv=} exceed the wide backward's shared memory")
-  ld, plan = common.backward_plan(lse, out, dout, dlse, q_pos, k_pos, q_seg, k_seg, spec, BLOCK)
+  ld, plan = common.backward_plan(lse, out, dout, dlse, q_pos, k_pos, q_seg, k_seg, spec, BLOCK,
+                                  delta)
   with base.no_vma_check():
     dq, dk, dv = _kernel_call(q, k, v, dout, ld, q_pos, k_pos, q_seg, k_seg, plan,
                               scale=spec.scale, causal=spec.causal, window=spec.window,

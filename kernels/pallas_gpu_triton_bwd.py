@@ -216,7 +216,7 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
              dlse=None, block: int = 64, num_warps: tuple[int, int] = (4, 4),
              num_stages: tuple[int, int] = (2, 2),
              pieces: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-             keys_major: bool = True):
+             keys_major: bool = True, delta=None):
   """Block-pair backward (see kernels/base.py): (dq, dk, dv) float32.
 
   q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], out and dout [B, T, N, Hv]. block: query
@@ -225,7 +225,8 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   summing to its head dim, each piece a multiple of the one after it (so that it starts at a
   whole block of its own width); on a GPU powers of two. None: one piece each
   (kernels/pallas_gpu.py, triton_config and triton_dims, choose them by head dims);
-  keys_major: the dk, dv kernel's tiles computed [bk, bq] (module docstring).
+  keys_major: the dk, dv kernel's tiles computed [bk, bq] (module docstring); delta: D
+  [B, N, T] where the caller computed it (out and dlse are then not read).
   """
   b, t = q.shape[0], q.shape[1]
   s = k.shape[1]
@@ -239,7 +240,8 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
   window = spec.window
 
-  delta = base.softmax_delta(out, dout, dlse)
+  if delta is None:
+    delta = base.softmax_delta(out, dout, dlse)
   # In base 2. No key: +inf, so that p = 0 exactly; NaN (the row saw a NaN value) stays NaN.
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * common.LOG2E).astype(jnp.float32)
   work, full = common.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, bq, bk)

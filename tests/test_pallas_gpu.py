@@ -252,23 +252,23 @@ def test_float16_backward_keeps_the_range_of_float16(h, hv, lse_cotangent, kerne
 
 
 def test_float16_ds_range_leaves_ordinary_inputs_alone_and_skips_non_finite():
-  """gamma is 1 where ds cannot leave float16's range (O(1) inputs: v and out reach the
-  kernels unchanged), a power of two per kv head otherwise, chosen from the finite values
+  """gamma is 1 where ds cannot leave float16's range (O(1) inputs: v reaches the kernels
+  unchanged, and D is base.softmax_delta's), a power of two per kv head otherwise, chosen from the finite values
   only: a NaN value in one key leaves the scale of the other keys' gradients as it was."""
   b, t, n, kh, h = 2, 64, 4, 2, 64
   _, _, v, do = _inputs(3, b, t, t, n, kh, h, h, jnp.float16)
   out = (do.astype(jnp.float32) * 0.5).astype(jnp.float16)
-  gamma, v1, out1, _ = pallas_gpu._float16_ds_range(v, out, do, None, h ** -0.5)
+  gamma, v1, d1 = pallas_gpu._float16_ds_range(v, out, do, None, h ** -0.5)
   np.testing.assert_array_equal(np.asarray(gamma), 1.0)
   np.testing.assert_array_equal(np.asarray(v1), np.asarray(v))
-  np.testing.assert_array_equal(np.asarray(out1), np.asarray(out.astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(d1), np.asarray(base.softmax_delta(out, do)))
   big_v = (v.astype(jnp.float32) * 3000).astype(jnp.float16)
   big_v = big_v.at[1, 5:, 0].multiply(0.001)           # batch 1, kv head 0: small again
   big_do = (do.astype(jnp.float32) * 30).astype(jnp.float16)
-  gamma, v2, _, _ = pallas_gpu._float16_ds_range(big_v, out, big_do, None, h ** -0.5)
+  gamma, v2, _ = pallas_gpu._float16_ds_range(big_v, out, big_do, None, h ** -0.5)
   g = np.asarray(gamma)
   assert np.all(g <= 2.0 ** -3) and np.all(np.log2(g) == np.round(np.log2(g))), g
-  with_nan, _, _, _ = pallas_gpu._float16_ds_range(big_v.at[0, 3, 1, 0].set(jnp.nan), out,
+  with_nan, _, _ = pallas_gpu._float16_ds_range(big_v.at[0, 3, 1, 0].set(jnp.nan), out,
                                                    big_do, None, h ** -0.5)
   np.testing.assert_array_equal(np.asarray(with_nan), g)
   # v2 = v gamma exactly where v gamma stays in float16's normal range
