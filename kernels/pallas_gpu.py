@@ -290,14 +290,14 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
                             keys_major=triton_keys_major(hp, hvp), delta=delta)
   dq, dk, dv = run(_pad_last(q, hp), _pad_last(k, hp), _pad_last(v, hvp), _pad_last(out, hvp),
                    lse, _pad_last(dout, hvp), q_pos, k_pos, q_seg, k_seg, spec)
-  if gamma is not None:                 # dq and dk came out times gamma; dv does not see it
-    kh = k.shape[2]
-    dq = dq / jnp.repeat(gamma, q.shape[2] // kh, axis=1)[:, None, :, None]
-    dk = dk / gamma[:, None, :, None]
   if hp != h:
     dq, dk = dq[..., :h], dk[..., :h]
   if hvp != hv:
     dv = dv[..., :hv]
+  if gamma is not None:                 # dq and dk came out times gamma; dv does not see it
+    kh = k.shape[2]
+    dq = dq / jnp.repeat(gamma, q.shape[2] // kh, axis=1)[:, None, :, None]
+    dk = dk / gamma[:, None, :, None]
   return dq, dk, dv
 
 
