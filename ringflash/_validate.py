@@ -516,9 +516,11 @@ def strategy_problem(strategy: str, call: Call, axes: SeqAxes, t_local: int, s_l
   one device, and the run of rows tiles must divide: ((q_len, kv_len), kv_heads, group).
 
   ring: the local shard against each piece (halved for zigzag chunks or bidirectional
-  halves); allgather: the local shard against the whole sequence (tiles within the gathered
-  shards); ulysses: the whole sequence, N / P query heads; hybrid: the ring over the runs
-  gathered by the Ulysses axis, N / U query heads.
+  halves); allgather: the local shard (halved for zigzag chunks) against the whole
+  sequence; ulysses: the whole sequence, N / P query heads; hybrid: the ring over the runs
+  gathered by the Ulysses axis, N / U query heads. allgather's keys and ulysses' rows are
+  put in natural order before the kernel (parallel.plan.natural_order), so tiles may span
+  the shards they were gathered from: their sizes divide the gathered length, not T / P.
   """
   p, k, g = axes.size, call.k, call.n // call.k
   chunk = 2 if call.layout == "zigzag" else 1
@@ -526,18 +528,36 @@ def strategy_problem(strategy: str, call: Call, axes: SeqAxes, t_local: int, s_l
     units = tile_units(call.layout, call.bidirectional, p, t_local, s_local)
     return units, k, g
   if strategy == "allgather":
-    return (t_local // chunk, s_local // chunk), k, g
+    return (t_local // chunk, s_local * p), k, g
   size = p if strategy == "ulysses" else axes.sizes[-1]
   kv_heads = max(k // size, 1)
   group = (call.n // size) // kv_heads
   if strategy == "ulysses":
-    return (t_local // chunk, s_local // chunk), kv_heads, group
+    return (t_local * p, s_local * p), kv_heads, group
   ring_size = p // size
   units = tile_units(call.layout, call.bidirectional, ring_size, t_local * size,
                      s_local * size)
   if call.layout == "zigzag":      # the gathered run holds 2 U chunks
     units = (t_local // 2, s_local // 2)
   return units, kv_heads, group
+
+
+def _tiled_rows(strategy: str, units: tuple[int, int], local: tuple[int, int]) -> str | None:
+  """Which rows a kernel call tiles, for a refusal of block_sizes that quotes their lengths:
+  None where they are a device's share, and under hybrid (not described)."""
+  if strategy == "hybrid" or (strategy == "ring" and units == local):
+    return None
+
+  chunk = "a zigzag chunk of a device's share"
+  q = ("the whole sequence" if strategy == "ulysses" else
+       chunk if units[0] < local[0] else "a device's share")
+  if strategy != "ring":
+    k = "the whole sequence, gathered"
+  elif units[0] < local[0]:
+    k = chunk
+  else:
+    k = "half a device's share, as the bidirectional ring passes it"
+  return f"a kernel call tiles {units[0]} query rows ({q}) and {units[1]} key rows ({k})"
 
 
 def _strategy_spec(strategy: str, kernel_spec: base.KernelSpec, backend: str, call: Call,
@@ -625,7 +645,14 @@ def prepare(call: Call, *, block_sizes, axes: SeqAxes, local: bool, platform: st
           segments=call.masked_by_ids or pad_ids, head_dim_v=call.hv, softcap=call.softcap)
       reason = kernel.unsupported(problem)
       if reason is None:
-        kernel_spec = resolve_spec(kernel, problem, scale=call.scale, block_sizes=block_sizes)
+        try:
+          kernel_spec = resolve_spec(kernel, problem, scale=call.scale, block_sizes=block_sizes)
+        except ValueError as err:
+          rows = _tiled_rows(strategy, (q_unit, kv_unit), (t_local, s_local))
+          if rows is None:
+            raise
+          # The lengths it names are not the arguments' (gathered, halved): say which rows.
+          raise ValueError(f"{err}; under strategy {strategy!r} {rows}") from None
         return Prepared(spec=_strategy_spec(strategy, kernel_spec, name, call, axes),
                         t_local=t_local, s_local=s_local)
     reasons.append(reason)

@@ -33,8 +33,10 @@ Three kinds of case:
   head dims, windows (also with a right side, which causality cuts), sinks, soft-caps,
   scales. Checked: out and lse against the oracle given the tokens at their positions.
 
-In half the hop cases, and in half the api cases of the ring strategy whose lengths divide
-by it, the kernels run on tiles smaller than the lengths they see (several tiles a hop):
+In half the hop cases, and in half the api cases of the ring, all-gather and Ulysses
+strategies whose lengths divide by the devices, the kernels run on tiles smaller than the
+lengths they see (several tiles a hop; all-gather's key tiles and Ulysses' tiles may be
+larger than a device's share):
 all four of the xla backend's sizes, pallas_tpu's query tiles (its key tiles are 128 or whole).
 
 In three fifths of the api and decode cases one entry of q, k or v (in decode cases: of the
@@ -164,11 +166,16 @@ def draw(rng: random.Random, devices: int, size: str) -> Case:
   short = max(4, t // 8)
   bidirectional = strategy == "ring" and rng.random() < 0.3
   # Tiles smaller than the lengths the kernels see (several tiles a hop), where those
-  # lengths are known here: a hop's; the ring's, one hop a device (a zigzag chunk or a
-  # bidirectional half when those split it), when the sequence divides by the ring.
+  # lengths are known here: a hop's; when the sequence divides by the devices, the ring's,
+  # one hop a device (a zigzag chunk or a bidirectional half when those split it),
+  # all-gather's (a device's queries, a zigzag chunk of them, against every key) and
+  # Ulysses' (the whole sequence): the last two gather in natural order, so their tiles may
+  # span devices' shares.
   unit = p * (2 if layout == "zigzag" or bidirectional else 1)
-  seen = ((t, s) if kind == "hop" else (t // unit, s // unit) if (
-      strategy == "ring" and axes == 1 and t % unit == 0 and s % unit == 0) else None)
+  fits = kind == "api" and axes == 1 and t % unit == 0 and s % unit == 0
+  seen = ((t, s) if kind == "hop" or (fits and strategy == "ulysses") else
+          (t // unit, s // unit) if fits and strategy == "ring" else
+          (t // unit, s) if fits and strategy == "allgather" else None)
   tiles = None
   if seen and rng.random() < 0.5:
     pick = lambda n: rng.choice([d for d in (8, 16, 32, 64) if n % d == 0 and d < n] or [None])

@@ -168,8 +168,14 @@ def test_a_sink_gradient_off_by_a_tenth_fails(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("case", [dataclasses.replace(API, tiles=(4, 4, 4, 8)),
-                                  dataclasses.replace(HOP, tiles=(8, 32, 16, 64))],
-                         ids=["api", "hop"])
+                                  dataclasses.replace(HOP, tiles=(8, 32, 16, 64)),
+                                  # tiles larger than a device's share of 16 (a zigzag
+                                  # chunk of 8): the kernels see gathered rows
+                                  dataclasses.replace(API, strategy="ulysses",
+                                                      tiles=(32, 16, 64, 32)),
+                                  dataclasses.replace(API, strategy="allgather",
+                                                      tiles=(8, 32, 4, 64))],
+                         ids=["api", "hop", "ulysses", "allgather"])
 def test_drawn_tiles_reach_the_kernels(monkeypatch, case):
   # The same case may have run in this process already (test_a_right_case_passes): its
   # program would come from the caches without tracing the kernels again.

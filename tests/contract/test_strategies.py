@@ -265,3 +265,77 @@ def test_the_cost_model_charges_the_hops_the_ring_runs(window, steps):
   if steps == 1:     # nothing moves: "auto" takes the ring over Ulysses' two all-to-alls
     assert cost.choose(call, axes, platform="gpu").strategy == "ring"
     assert ring < cost.estimate("ulysses", call, axes, plat).seconds
+
+
+# strategy, backend, layout, P, T, block_q, block_k: tiles larger than a device's share (the
+# contiguous case's 15 too, 60 tokens on 4 devices), which divide what the kernel sees.
+SPANNING = [
+    ("ulysses", "xla", "contiguous", 4, 60, 20, 30),
+    ("ulysses", "xla", "zigzag", 2, 64, 64, 32),
+    ("ulysses", "xla", "striped", 8, 64, 32, 16),
+    ("allgather", "xla", "contiguous", 4, 60, 5, 20),
+    ("allgather", "xla", "zigzag", 4, 64, 8, 32),
+    ("allgather", "xla", "striped", 2, 64, 16, 64),
+    ("ulysses", "pallas_tpu", "zigzag", 4, 64, 32, None),
+    ("allgather", "pallas_tpu", "striped", 4, 64, 8, None),
+]
+
+
+@pytest.mark.parametrize("strategy,backend,layout,p,t,block_q,block_k", SPANNING, ids=str)
+def test_tiles_may_span_the_shards_a_strategy_gathers(strategy, backend, layout, p, t,
+                                                       block_q, block_k):
+  """Ulysses' kernel sees the whole sequence and all-gather's the whole key sequence, both in
+  natural order: tiles divide those lengths, not T / P, and span the shards they came from
+  (pallas_tpu's key tile, None here, is the whole gathered length). They were refused as
+  not dividing the local length. Causal with a window and packed documents; out, lse and
+  the gradients of q, k, v against the oracle."""
+  q, key, v, dout = helpers.inputs(61, 2, t, t, 8, 2, 16, jnp.float32)
+  seg = jnp.asarray(helpers.packed_segments(2, t, seed=4))
+  pos = np.arange(t) if layout == "contiguous" else ringflash.to_layout(np.arange(t), layout,
+                                                                          p, axis=0)
+  options = dict(is_causal=True, local_window_size=(40, 0), segment_ids=seg)
+  if backend == "xla":
+    tiles = ringflash.XlaBlockSizes(block_q=block_q, block_k=block_k)
+  else:
+    tiles = ringflash.TpuBlockSizes(block_q=block_q, block_k=block_k)
+
+  def ours(q, k, v):
+    return ringflash.ring_attention(q, k, v, mesh=helpers.mesh_of(p), layout=layout,
+                                    strategy=strategy, backend=backend, block_sizes=tiles,
+                                    return_residual=True, **options)
+
+  def ref(q, k, v):
+    return oracle.attention(q, k, v, causal=True, window=(40, 0), q_seg=seg, kv_seg=seg,
+                            q_pos=pos, kv_pos=pos)
+
+  for got, want in zip(ours(q, key, v), ref(q, key, v)):
+    assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
+  grads = jax.grad(lambda *a: jnp.sum(ours(*a)[0] * dout), argnums=(0, 1, 2))(q, key, v)
+  want_grads = jax.grad(lambda *a: jnp.sum(ref(*a)[0] * dout), argnums=(0, 1, 2))(q, key, v)
+  for got, want in zip(grads, want_grads):
+    assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
+
+
+@pytest.mark.parametrize("strategy,tiles,message", [
+    ("ulysses", ringflash.XlaBlockSizes(block_q=128),
+     "block_sizes.block_q=128 must divide the local length 96 (backend 'xla'); under strategy "
+     "'ulysses' a kernel call tiles 96 query rows (the whole sequence) and 96 key rows (the "
+     "whole sequence, gathered)"),
+    ("allgather", ringflash.XlaBlockSizes(block_q=32),
+     "block_sizes.block_q=32 must divide the local length 12 (backend 'xla'); under strategy "
+     "'allgather' a kernel call tiles 12 query rows (a zigzag chunk of a device's share) and "
+     "96 key rows (the whole sequence, gathered)"),
+    ("ring", ringflash.XlaBlockSizes(block_q=48),
+     "block_sizes.block_q=48 must divide the local length 12 (backend 'xla'); under strategy "
+     "'ring' a kernel call tiles 12 query rows (a zigzag chunk of a device's share) and 12 "
+     "key rows (a zigzag chunk of a device's share)"),
+])
+def test_tiles_that_do_not_fit_what_a_strategys_kernel_sees_are_refused(strategy, tiles,
+                                                                         message):
+  """The lengths a refusal of block_sizes quotes are often no argument's (the gathered
+  sequence, a zigzag chunk): the message says which rows they are."""
+  q, key, v, _ = helpers.inputs(62, 1, 96, 96, 4, 2, 8, jnp.float32)
+  with pytest.raises(ValueError) as err:
+    ringflash.ring_attention(q, key, v, mesh=helpers.mesh_of(4), strategy=strategy,
+                             backend="xla", block_sizes=tiles, layout="zigzag")
+  assert str(err.value).splitlines()[0] == message
