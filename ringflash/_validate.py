@@ -649,7 +649,7 @@ def prepare(call: Call, *, block_sizes, axes: SeqAxes, local: bool, platform: st
           kernel_spec = resolve_spec(kernel, problem, scale=call.scale, block_sizes=block_sizes)
         except ValueError as err:
           rows = _tiled_rows(strategy, (q_unit, kv_unit), (t_local, s_local))
-          if rows is None:
+          if rows is None or not isinstance(block_sizes, tiles.BY_BACKEND[name]):
             raise
           # The lengths it names are not the arguments' (gathered, halved): say which rows.
           raise ValueError(f"{err}; under strategy {strategy!r} {rows}") from None

@@ -325,6 +325,9 @@ def test_tiles_may_span_the_shards_a_strategy_gathers(strategy, backend, layout,
      "block_sizes.block_q=32 must divide the local length 12 (backend 'xla'); under strategy "
      "'allgather' a kernel call tiles 12 query rows (a zigzag chunk of a device's share) and "
      "96 key rows (the whole sequence, gathered)"),
+    ("ulysses", ringflash.TpuBlockSizes(block_q=32),     # not about rows: no rows said
+     "block_sizes must be a ringflash.XlaBlockSizes or None for backend 'xla', got "
+     "TpuBlockSizes"),
     ("ring", ringflash.XlaBlockSizes(block_q=48),
      "block_sizes.block_q=48 must divide the local length 12 (backend 'xla'); under strategy "
      "'ring' a kernel call tiles 12 query rows (a zigzag chunk of a device's share) and 12 "
