@@ -891,47 +891,20 @@ class ContractTests:
     dq = np.asarray(with_grads(ring, q_over)[2], np.float32)
     assert np.all(np.any(~np.isfinite(dq[0, over]), axis=-1))
 
-  def test_float16_gradients_keep_the_range_of_float16(self):
-    """float16 with small q, k, large values and a large output cotangent (a loss scale):
-    ds = p (dp - D) reaches about 1e6, past float16's 65504, while every true gradient is
-    below 2200. The gradients are finite and within 4 float16 epsilons (2^-10) of their
-    largest, against the fp32 oracle (plain float16 dense attention is non-finite here, so
-    FlashAttention's criterion has nothing to compare with)."""
+  def _float16_range_gradients(self, name, nan_in_the_middle=False):
+    """float16 with small q, k, large values and a large output cotangent (a loss scale),
+    causal on a ring of 4: ds = p (dp - D) reaches about 1e6, past float16's 65504, while
+    every true gradient is below 2200. nan_in_the_middle: the values of key T / 2 + 3 are NaN
+    and the loss reads only the rows before it. Returns the backend's gradients of q, k, v, the fp32
+    oracle's on clean inputs, both cut to the rows the loss reads."""
     self.require("ring")
-    case = self.adapt(RingCase("float16-range", 4, causal=True))
+    case = self.adapt(RingCase(name, 4, causal=True))
     q, k, v, dout, _ = self._inputs(case)
     q, k, v, dout = ((x.astype(jnp.float32) * f).astype(jnp.float16)
                      for x, f in ((q, 0.01), (k, 0.01), (v, 3000.0), (dout, 30.0)))
     p, t = case.ring_size, q.shape[1]
-    mesh = self.mesh(p)
-
-    def grads(attn):
-      def loss(a, b_, c):
-        return jnp.sum(attn(a, b_, c).astype(jnp.float32) * dout.astype(jnp.float32))
-      return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-
-    got = grads(lambda a, b_, c: ringflash.ring_attention(
-        a, b_, c, mesh=mesh, **self.options(), is_causal=True, backend=self.BACKEND,
-        block_sizes=self.block_sizes(t // p, t // p)))
-    want = grads(lambda a, b_, c: oracle.attention(a, b_, c, causal=True)[0])
-    for name, g, w in zip(("dq", "dk", "dv"), got, want):
-      assert bool(jnp.all(jnp.isfinite(g))), f"{name}: float16 overflowed"
-      scale = float(jnp.max(jnp.abs(w.astype(jnp.float32))))
-      assert helpers.max_err(g, w) <= 4 * 2.0 ** -10 * scale, (name, helpers.max_err(g, w))
-
-  def test_float16_gradient_range_beside_a_nan_it_does_not_see(self):
-    """The float16 case above with NaN in the values of one key in the middle (causal): the
-    rows before it do not see it, and their gradients (the loss reads only them) stay finite
-    and within 4 float16 epsilons of their largest against the fp32 oracle on clean inputs.
-    A backend that scales ds into float16's range must not let the NaN decide the scale."""
-    self.require("ring")
-    case = self.adapt(RingCase("float16-range-nan", 4, causal=True))
-    q, k, v, dout, _ = self._inputs(case)
-    q, k, v, dout = ((x.astype(jnp.float32) * f).astype(jnp.float16)
-                     for x, f in ((q, 0.01), (k, 0.01), (v, 3000.0), (dout, 30.0)))
-    p, t = case.ring_size, q.shape[1]
-    j0 = t // 2 + 3
-    keep = (jnp.arange(t) < j0)[None, :, None, None]
+    rows = t // 2 + 3 if nan_in_the_middle else t
+    keep = (jnp.arange(t) < rows)[None, :, None, None]
     mesh = self.mesh(p)
 
     def grads(attn, v_):
@@ -942,13 +915,35 @@ class ContractTests:
 
     got = grads(lambda a, b_, c: ringflash.ring_attention(
         a, b_, c, mesh=mesh, **self.options(), is_causal=True, backend=self.BACKEND,
-        block_sizes=self.block_sizes(t // p, t // p)), v.at[:, j0].set(jnp.nan))
+        block_sizes=self.block_sizes(t // p, t // p)),
+                v.at[:, rows].set(jnp.nan) if nan_in_the_middle else v)
     want = grads(lambda a, b_, c: oracle.attention(a, b_, c, causal=True)[0], v)
+    cut = lambda xs: [np.asarray(x, np.float32)[:, :rows] for x in xs]
+    return cut(got), cut(want)
+
+  @staticmethod
+  def _check_float16_range(got, want, message):
+    """Finite, and within 4 float16 epsilons (2^-10) of the largest gradient of each."""
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
-      g, w = (np.asarray(x, np.float32)[:, :j0] for x in (g, w))
-      assert np.all(np.isfinite(g)), f"{name}: NaN or overflow reached rows that do not see it"
+      assert np.all(np.isfinite(g)), f"{name}: {message}"
       scale = float(np.max(np.abs(w)))
       assert np.max(np.abs(g - w)) <= 4 * 2.0 ** -10 * scale, (name, np.max(np.abs(g - w)))
+
+  def test_float16_gradients_keep_the_range_of_float16(self):
+    """The float16 range case (_float16_range_gradients): the gradients are finite and
+    within 4 float16 epsilons of their largest, against the fp32 oracle (plain float16 dense
+    attention is non-finite here, so FlashAttention's criterion has nothing to compare
+    with)."""
+    got, want = self._float16_range_gradients("float16-range")
+    self._check_float16_range(got, want, "float16 overflowed")
+
+  def test_float16_gradient_range_beside_a_nan_it_does_not_see(self):
+    """The float16 range case with NaN in the values of one key in the middle (causal): the
+    rows before it do not see it, and their gradients (the loss reads only them) stay finite
+    and within 4 float16 epsilons of their largest against the fp32 oracle on clean inputs.
+    A backend that scales ds into float16's range must not let the NaN decide the scale."""
+    got, want = self._float16_range_gradients("float16-range-nan", nan_in_the_middle=True)
+    self._check_float16_range(got, want, "NaN or overflow reached rows that do not see it")
 
   def test_lse_cotangent_flows(self):
     """With return_residual, gradients through lse are exact too."""
