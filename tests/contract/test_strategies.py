@@ -288,7 +288,7 @@ def test_tiles_may_span_the_shards_a_strategy_gathers(strategy, backend, layout,
   natural order: tiles divide those lengths, not T / P, and span the shards they came from
   (pallas_tpu's key tile, None here, is the whole gathered length). They were refused as
   not dividing the local length. Causal with a window and packed documents; out, lse and
-  the gradients of q, k, v against the oracle."""
+  the gradients of q, k, v against the oracle, and a NaN key's reach."""
   q, key, v, dout = helpers.inputs(61, 2, t, t, 8, 2, 16, jnp.float32)
   seg = jnp.asarray(helpers.packed_segments(2, t, seed=4))
   pos = np.arange(t) if layout == "contiguous" else ringflash.to_layout(np.arange(t), layout,
@@ -310,6 +310,16 @@ def test_tiles_may_span_the_shards_a_strategy_gathers(strategy, backend, layout,
 
   for got, want in zip(ours(q, key, v), ref(q, key, v)):
     assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
+  # NaN in one key spanned by a tile: it reaches the rows that see it (the oracle's NaN
+  # rows, window and documents included) and no other
+  bad = key.at[:, t // 2 + 1, 1, 0].set(jnp.nan)
+  for got, want in zip(ours(q, bad, v), ref(q, bad, v)):
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(want).any() and not np.isnan(want).all()
+    seen = np.isnan(want)
+    assert helpers.max_err(np.where(seen, 0, got), np.where(seen, 0, want)) <= (
+        helpers.fp32_tol(np.where(seen, 0, want)))
   grads = jax.grad(lambda *a: jnp.sum(ours(*a)[0] * dout), argnums=(0, 1, 2))(q, key, v)
   want_grads = jax.grad(lambda *a: jnp.sum(ref(*a)[0] * dout), argnums=(0, 1, 2))(q, key, v)
   for got, want in zip(grads, want_grads):
