@@ -109,6 +109,23 @@ def array_shape(x, name):
   return shape, jnp.dtype(dtype)
 
 
+def check_jit_arguments(**arrays) -> None:
+  """Each array argument (None where it is optional; a tuple or list of them, as segment_ids'
+  pair) must be something jax.jit takes: an array or a number. Validation names the rest
+  when it traces, but a value jit cannot take at all (a string, an arbitrary object) was
+  JAX's TypeError, naming ringflash's internal program before the argument's path.
+
+  Raises:
+    ValueError: naming the first argument that holds such a value, before anything runs.
+  """
+  for name, x in arrays.items():
+    for leaf in jax.tree.leaves(x):
+      try:
+        jax.typeof(leaf)
+      except TypeError:
+        raise ValueError(f"{name} must be an array, got {type(leaf).__name__}") from None
+
+
 INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 
 

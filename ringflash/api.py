@@ -105,10 +105,12 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
                      local_window_size=_mesh.frozen(local_window_size),
                      bidirectional=bidirectional, logits_soft_cap=logits_soft_cap,
                      strategy=strategy)
+  named = dict(query=query, key=key, value=value, segment_ids=segment_ids,
+               query_seq_lengths=query_seq_lengths,
+               key_value_seq_lengths=key_value_seq_lengths, sinks=sinks)
+  _validate.check_jit_arguments(**named)
   _validate.check_segment_values(segment_ids)
-  _mesh.check_placed(mesh, query=query, key=key, value=value, segment_ids=segment_ids,
-                     query_seq_lengths=query_seq_lengths,
-                     key_value_seq_lengths=key_value_seq_lengths, sinks=sinks)
+  _mesh.check_placed(mesh, **named)
   arrays = (query, key, value, segment_ids, _validate.int32_clipped(query_seq_lengths),
             _validate.int32_clipped(key_value_seq_lengths), sinks)
   try:

@@ -133,8 +133,10 @@ def run(query, key_cache, value_cache, cache_lengths, cache_positions, sinks, *,
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   _mesh.check_context(mesh, remedy)
-  _mesh.check_placed(mesh, query=query, key_cache=key_cache, value_cache=value_cache,
-                     cache_lengths=cache_lengths, cache_positions=cache_positions, sinks=sinks)
+  named = dict(query=query, key_cache=key_cache, value_cache=value_cache,
+               cache_lengths=cache_lengths, cache_positions=cache_positions, sinks=sinks)
+  _validate.check_jit_arguments(**named)
+  _mesh.check_placed(mesh, **named)
   _mesh.seq_axes(mesh.shape, options.axis_name)
   if any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(
       (query, key_cache, value_cache, sinks))):

@@ -61,6 +61,13 @@ BAD = [
     ("block-divides", dict(), dict(block_sizes=ringflash.XlaBlockSizes(3, 8)), "block_q"),
     ("block-type", dict(), dict(block_sizes=(8, 8)), "block_sizes"),
     ("mesh-type", dict(), dict(mesh="sp"), "mesh"),
+    # values jax.jit cannot take at all (JAX's TypeError named ringflash's program)
+    ("query-string", dict(), dict(query="q"), "query must be an array, got str"),
+    ("sinks-string", dict(), dict(sinks="0.5"), "sinks must be an array, got str"),
+    ("seg-pair-object", dict(), dict(segment_ids=(jnp.zeros((B, T), jnp.int32), object())),
+     "segment_ids must be an array, got object"),
+    ("lengths-string", dict(), dict(key_value_seq_lengths="64"),
+     "key_value_seq_lengths must be an array, got str"),
 ]
 
 
