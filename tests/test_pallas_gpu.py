@@ -875,3 +875,72 @@ def test_wide_backward_nan_value_through_the_ring():
     g, g0 = np.asarray(g, np.float32), np.asarray(g0, np.float32)
     assert np.isfinite(g).all(), name
     same(g, g0, err_msg=name)
+
+
+# Strategies over several devices. Under ring_attention_sharded, Ulysses' kernel sees the
+# whole gathered sequence and all-gather's every key: their tiles divide those lengths, so a
+# device's share need not be a multiple of the backend's 128 rows there (a share of 64 under
+# Ulysses below). Each case runs with the xla backend on two CPU devices as well, which
+# checks this test's own code wherever the suite runs.
+STRATEGY_CASES = [
+    # strategy, entry, t, causal
+    ("ring", "global", 512, True),
+    ("allgather", "global", 512, True),
+    ("ulysses", "global", 512, False),
+    ("ring", "sharded", 256, False),
+    ("allgather", "sharded", 256, True),
+    ("ulysses", "sharded", 128, True),          # shares of 64 rows, the gathered 128 tiled
+]
+
+
+def _two_devices(backend):
+  """Two devices for `backend`, or None: Hopper GPUs for pallas_gpu, else CPU devices."""
+  if backend == "pallas_gpu":
+    devices = _hopper_devices()
+  else:
+    devices = [d for d in jax.devices() if d.platform == "cpu"]
+  return devices[:2] if len(devices) >= 2 else None
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_gpu"])
+@pytest.mark.parametrize("strategy,entry,t,causal", STRATEGY_CASES, ids=str)
+def test_strategies_over_two_devices_match_the_oracle(strategy, entry, t, causal, backend):
+  """ring_attention, or ring_attention_sharded inside the caller's shard_map, with the
+  strategy named, over a ring of two devices; bfloat16, GQA (4 query heads, 2 kv heads);
+  out, lse and the gradients of q, k, v against the oracle (the bf16 criterion of
+  _check_ring_one_gpu). The pallas_gpu cases need two Hopper GPUs."""
+  devices = _two_devices(backend)
+  if devices is None:
+    pytest.skip(f"needs two {'Hopper GPUs' if backend == 'pallas_gpu' else 'CPU devices'}")
+  b, n, kh, h = 1, 4, 2, 128
+  q, k, v, do = _inputs(8, b, t, t, n, kh, h, h)
+  mesh = Mesh(np.array(devices), ("sp",))
+  options = dict(is_causal=causal, backend=backend, strategy=strategy, return_residual=True)
+  seq = jax.sharding.PartitionSpec(None, "sp")
+
+  if entry == "global":
+    def ours(q, k, v):
+      return ringflash.ring_attention(q, k, v, mesh=mesh, **options)
+  else:
+    def ours(q, k, v):
+      body = functools.partial(ringflash.ring_attention_sharded, axis_name="sp", **options)
+      return jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 3,
+                           out_specs=(seq, jax.sharding.PartitionSpec(None, None, "sp")))(
+                               q, k, v)
+
+  def dense(upcast, q, k, v):
+    return oracle.attention(q, k, v, causal=causal, upcast=upcast)[0]
+
+  placed = [jax.device_put(x, jax.sharding.NamedSharding(mesh, seq)) for x in (q, k, v)]
+  (out, lse), vjp = jax.jit(lambda *a: jax.vjp(ours, *a))(*placed)
+  want, want_lse = jax.jit(lambda *a: oracle.attention(*a, causal=causal))(q, k, v)
+  plain = jax.jit(lambda *a: dense(False, *a))(q, k, v)
+  assert out.dtype == jnp.bfloat16 and out.shape == (b, t, n, h)
+  assert _max_err(out, want) <= 2 * _max_err(plain, want)
+  assert float(jnp.max(jnp.abs(lse - want_lse))) < 2e-2
+  got = jax.jit(vjp)((jax.device_put(do, jax.sharding.NamedSharding(mesh, seq)),
+                      jnp.zeros_like(lse)))
+  want_g, plain_g = _dense_grads(dense, q, k, v, do)
+  for name, g, w, p in zip(("dq", "dk", "dv"), got, want_g, plain_g):
+    assert g.shape == w.shape, name
+    assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
