@@ -51,9 +51,11 @@ large while the gradients are small. backward scales ds per kv head by a power o
 range from outside the kernels (through v and D) and divides dq and dk back
 (_float16_ds_range); where ds cannot pass 2^15 the scale is 1.
 
-The Mosaic GPU kernels have no CPU interpreter, so the backend runs on Hopper GPUs only
-(`unsupported` says so on other devices; the Triton backward alone runs interpreted on CPU,
-where its tests call it directly).
+The Mosaic GPU kernels do not run on CPU: JAX's Mosaic GPU interpreter (jax 0.12) interprets
+neither pl.run_state over a WGMMA accumulator (the ping-pong forward's P V) nor a store into
+one (the overlap forward), docs/GPU_NOTES.md "Mosaic GPU's interpreter"; so the backend runs
+on Hopper GPUs only (`unsupported` says so on other devices; the Triton backward alone runs
+interpreted on CPU, where its tests call it directly).
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ def unsupported(problem: base.Problem) -> str | None:
   """Why this backend cannot compute `problem` on its devices (None: it can)."""
   if problem.platform not in ("gpu", "cuda"):
     return (f"backend {NAME!r} runs on GPUs of compute capability >= 9.0 only, not on "
-            f"{problem.platform!r} devices (its Mosaic GPU kernels have no interpreter)")
+            f"{problem.platform!r} devices (its Mosaic GPU kernels do not run in JAX's interpreter)")
   if _major(problem.compute_capability) < 9:
     return (f"backend {NAME!r} needs a GPU of compute capability >= 9.0 (Hopper), got "
             f"{problem.compute_capability}")

@@ -1,8 +1,9 @@
 """Conformance of the pallas_gpu backend against the fp32 oracle (tests/oracle.py).
 
 The Mosaic GPU kernels need a Hopper GPU to run: with the installed jax they cannot run in
-interpret mode on CPU (the HLO interpreter rejects run_scoped over the warpgroup axis, and the
-GPU interpreter cannot lower wgmma). So the numerical cases run only where a GPU of compute
+interpret mode on CPU (the HLO interpreter rejects run_scoped over the warpgroup axis, and
+jax 0.12's Mosaic GPU interpreter interprets neither pl.run_state over a WGMMA accumulator nor
+a store into one: docs/GPU_NOTES.md "Mosaic GPU's interpreter"). So the numerical cases run only where a GPU of compute
 capability >= 9.0 is present (JAX_PLATFORMS=cuda). On CPU: the tile plan, what the backend
 accepts and which kernel takes which head dims, the Triton backward kernels (Pallas interpret
 mode; with soft-cap, Hv != H and padded head dims), the lowering of both Mosaic GPU kernels
