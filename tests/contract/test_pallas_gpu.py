@@ -1,7 +1,7 @@
 """The contract cases on the pallas_gpu backend (tests/contract/base.py).
 
-Its Mosaic GPU kernels need a GPU of compute capability >= 9.0 (they have no CPU
-interpreter), so every case runs on H200s only (JAX_PLATFORMS=cuda) and is skipped elsewhere
+Its Mosaic GPU kernels need a GPU of compute capability >= 9.0 (they do not run in JAX's
+CPU interpreter), so every case runs on Hopper GPUs only (JAX_PLATFORMS=cuda) and is skipped elsewhere
 with that reason. bf16 inputs (the kernels take bf16 and fp16), head dim 64, 256 tokens per
 device per unit (tiles of 64-128 rows; a CUDA block covers 128 query rows). A case whose
 ring is larger than the GPUs present runs on a ring of all of them (P = 8 on two H200s runs
