@@ -82,7 +82,8 @@ def allgather_attention_local(q, k, v, q_seg, kv_seg, spec: GatherSpec):
 
 def _fwd(q, k, v, q_seg, kv_seg, spec):
   out, lse = _forward(q, k, v, q_seg, kv_seg, spec)
-  return (out, lse), local.Residuals(q, k, v, out, lse, q_seg, kv_seg)
+  res = local.named_residuals(local.Residuals(q, k, v, out, lse, q_seg, kv_seg))
+  return (res.out, res.lse), res
 
 
 def _bwd(spec, res: local.Residuals, cotangents):

@@ -18,6 +18,7 @@ import functools
 from typing import NamedTuple
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from ringflash.kernels import base
 from ringflash.kernels import get_backend
@@ -59,6 +60,24 @@ class Residuals(NamedTuple):
   lse: jax.Array        # [B, N, T], float32
   q_seg: jax.Array | None
   kv_seg: jax.Array | None
+
+
+# The names (jax.ad_checkpoint.checkpoint_name) of what every strategy's forward keeps for
+# its backward: the output, its lse, and the inputs as the strategy's kernels see them (q, k,
+# v and the segment ids and positions; under Ulysses after its all-to-alls). Under
+# jax.checkpoint the backward runs the forward again to rebuild them (every hop and kernel of
+# the ring, or the gathers and the kernel), unless the policy saves them by name:
+# jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES) keeps per device what a
+# plain (not rematerialized) backward keeps, and runs nothing of the attention again.
+RESIDUAL_NAMES = ("ringflash_out", "ringflash_lse", "ringflash_inputs")
+
+
+def named_residuals(res):
+  """`res` (a strategy's residuals, a NamedTuple with fields out and lse) with each array
+  named for jax.checkpoint's policies (RESIDUAL_NAMES; no effect elsewhere)."""
+  names = {"out": RESIDUAL_NAMES[0], "lse": RESIDUAL_NAMES[1]}
+  return type(res)(*(None if x is None else checkpoint_name(x, names.get(f, RESIDUAL_NAMES[2]))
+                     for f, x in zip(res._fields, res)))
 
 
 class _Residuals(NamedTuple):
@@ -105,7 +124,8 @@ def attend(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: LocalSpec):
 
 def _fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, spec):
   out, lse = forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec)
-  return (out, lse), _Residuals(q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
+  res = named_residuals(_Residuals(q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg))
+  return (res.out, res.lse), res
 
 
 def _bwd(spec, res: _Residuals, cotangents):

@@ -271,7 +271,8 @@ def ring_attention_local(q, k, v, q_seg, kv_seg, ring: ring_plan.RingSpec):
 
 def _vjp_fwd(q, k, v, q_seg, kv_seg, ring):
   out, lse = _forward(q, k, v, q_seg, kv_seg, ring)
-  return (out, lse), Residuals(q, k, v, out, lse, q_seg, kv_seg)
+  res = local.named_residuals(Residuals(q, k, v, out, lse, q_seg, kv_seg))
+  return (res.out, res.lse), res
 
 
 def _vjp_bwd(ring, res: Residuals, cotangents):

@@ -14,6 +14,7 @@ from ringflash.kvcache import KVCache as KVCache
 from ringflash.layouts import from_layout as from_layout
 from ringflash.layouts import to_layout as to_layout
 from ringflash.options import GPU_XLA_OPTIONS as GPU_XLA_OPTIONS
+from ringflash.parallel.local import RESIDUAL_NAMES as RESIDUAL_NAMES
 
 try:
   __version__ = _metadata.version("ringflash")

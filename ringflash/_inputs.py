@@ -31,6 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -38,6 +39,7 @@ from ringflash import _mesh
 from ringflash import _validate
 from ringflash.kernels import base
 from ringflash.parallel import plan
+from ringflash.parallel.local import RESIDUAL_NAMES
 
 PAD_Q = np.iinfo(np.int32).max
 PAD_K = np.iinfo(np.int32).min
@@ -369,6 +371,11 @@ def finish(call: _validate.Call, out, lse, sinks, rows=None, lead_order=None):
   padding trimmed (rows: padded_rows' (rows, back) of the queries, where a zigzag or striped
   sequence was padded), leading dims restored (in the order canonical took, lead_order);
   (out, lse) or out alone as return_residual says."""
+  # Named as the strategies' residuals (parallel/local.RESIDUAL_NAMES): where a policy of
+  # jax.checkpoint saves them, a rematerialized backward rebuilds what follows from these
+  # (sinks, trimming: elementwise and local) without running the strategy again, the
+  # collectives that bring its output back to the sequence's layout included.
+  out, lse = checkpoint_name(out, RESIDUAL_NAMES[0]), checkpoint_name(lse, RESIDUAL_NAMES[1])
   if sinks is not None:
     out, lse = add_sinks(out, lse, sinks)
   out, lse = overflowed_rows(out, lse)

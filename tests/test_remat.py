@@ -1,0 +1,93 @@
+"""ring_attention under jax.checkpoint (rematerialization), as large models call it.
+
+A rematerialized layer runs its forward again in the backward to rebuild what the backward
+reads. For attention that is every hop and kernel of the ring (or the gathers and the
+kernel), unless the policy saves the strategy's output and lse: they carry the names
+ringflash.RESIDUAL_NAMES for that. Gradients must be exact under every policy; with the
+names saved, the backward must hold no more collectives than the plain one, and with
+nothing saved, more (the forward's, run again).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import helpers
+import oracle
+import ringflash
+
+T, D, N, K, H = 32, 16, 4, 2, 8
+NAMES = jax.checkpoint_policies.save_only_these_names(*ringflash.RESIDUAL_NAMES)
+_COLLECTIVE = re.compile(r"= (ppermute|all_gather|all_to_all|reduce_scatter|psum\w*)\[")
+
+
+def _collectives(jaxpr) -> int:
+  """Collective operations in a jaxpr as printed (nested jaxprs included). Counted in the
+  jaxpr, what JAX asks XLA to run: XLA may merge a rematerialized forward's collectives with
+  the first forward's where their inputs agree, and keep its values alive instead."""
+  return len(_COLLECTIVE.findall(str(jaxpr)))
+
+
+def _mesh(strategy):
+  if strategy == "hybrid":
+    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("r", "u")), ("r", "u")
+  return helpers.mesh_of(4), "sp"
+
+
+def _project(x, wq, wk, wv):
+  b = x.shape[0]
+  return ((x @ wq).reshape(b, T, N, H), (x @ wk).reshape(b, T, K, H),
+          (x @ wv).reshape(b, T, K, H))
+
+
+@pytest.mark.parametrize("strategy,backend,with_sinks", [
+    ("ring", "xla", True), ("allgather", "xla", True), ("ulysses", "xla", True),
+    ("hybrid", "xla", True), ("ring", "pallas_tpu", True), ("ulysses", "pallas_tpu", True),
+    ("ring", "xla", False), ("ulysses", "xla", False)])
+def test_remat_is_exact_and_the_names_spare_the_forward(strategy, backend, with_sinks):
+  """A layer x [B, T, D] -> tanh(attention(x wq, x wk, x wv)) [B, T, N * H] (projections, dots
+  that a policy may save or recompute, around ring_attention: causal, zigzag, GQA, with or
+  without sinks) under jax.checkpoint with no policy, nothing saved, and RESIDUAL_NAMES
+  saved: the gradients of x, the weights (and sinks) against the oracle's, and the
+  backward's collectives."""
+  mesh, axis_name = _mesh(strategy)
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((2, T, D)), jnp.float32)
+  weights = tuple(jnp.asarray(rng.standard_normal((D, m * H)) / np.sqrt(D), jnp.float32)
+                  for m in (N, K, K))
+  sinks = (jnp.asarray([0.5, -1.0, 0.0, 2.0], jnp.float32),) if with_sinks else ()
+  dy = jnp.asarray(rng.standard_normal((2, T, N * H)), jnp.float32)
+  args = (x, *weights, *sinks)
+  pos = ringflash.to_layout(np.arange(T), "zigzag", 4, axis=0)
+
+  def layer(x, wq, wk, wv, sinks=None):
+    out = ringflash.ring_attention(*_project(x, wq, wk, wv), mesh=mesh, axis_name=axis_name,
+                                   is_causal=True, layout="zigzag", strategy=strategy,
+                                   backend=backend, sinks=sinks)
+    return jnp.tanh(out.reshape(x.shape[0], T, N * H))
+
+  def reference(x, wq, wk, wv, sinks=None):
+    out = oracle.attention(*_project(x, wq, wk, wv), causal=True, q_pos=pos, kv_pos=pos,
+                           sinks=sinks)[0]
+    return jnp.tanh(out.reshape(x.shape[0], T, N * H))
+
+  def grads_of(f):
+    return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * dy), argnums=tuple(range(len(args)))))
+
+  want = grads_of(reference)(*args)
+  counts = {}
+  for name, policy in [("plain", None), ("nothing", jax.checkpoint_policies.nothing_saveable),
+                       ("names", NAMES)]:
+    f = layer if policy is None else jax.checkpoint(layer, policy=policy)
+    grads = grads_of(f)
+    for g, w, what in zip(grads(*args), want, ("x", "wq", "wk", "wv", "sinks")):
+      assert helpers.max_err(g, w) <= helpers.fp32_tol(w), (name, what)
+    counts[name] = _collectives(jax.make_jaxpr(grads)(*args))
+  assert counts["names"] == counts["plain"], counts
+  assert counts["nothing"] > counts["plain"], counts
