@@ -892,6 +892,8 @@ STRATEGY_CASES = [
     ("allgather", "sharded", 256, True),
     ("ulysses", "sharded", 128, True),          # shares of 64 rows, the gathered 128 tiled
 ]
+# On CPU (xla) the default suite runs two of them; the rest are marked slow there.
+_FAST_ON_CPU = {("ring", "global"), ("ulysses", "sharded")}
 
 
 def _two_devices(backend):
@@ -903,8 +905,10 @@ def _two_devices(backend):
   return devices[:2] if len(devices) >= 2 else None
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_gpu"])
-@pytest.mark.parametrize("strategy,entry,t,causal", STRATEGY_CASES, ids=str)
+@pytest.mark.parametrize("strategy,entry,t,causal,backend", [
+    pytest.param(*case, backend, marks=() if backend == "pallas_gpu" or case[:2] in _FAST_ON_CPU
+                 else pytest.mark.slow)
+    for case in STRATEGY_CASES for backend in ("xla", "pallas_gpu")], ids=str)
 def test_strategies_over_two_devices_match_the_oracle(strategy, entry, t, causal, backend):
   """ring_attention, or ring_attention_sharded inside the caller's shard_map, with the
   strategy named, over a ring of two devices; bfloat16, GQA (4 query heads, 2 kv heads);

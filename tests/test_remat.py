@@ -48,8 +48,11 @@ def _project(x, wq, wk, wv):
 
 @pytest.mark.parametrize("strategy,backend,with_sinks", [
     ("ring", "xla", True), ("allgather", "xla", True), ("ulysses", "xla", True),
-    ("hybrid", "xla", True), ("ring", "pallas_tpu", True), ("ulysses", "pallas_tpu", True),
-    ("ring", "xla", False), ("ulysses", "xla", False)])
+    ("ulysses", "xla", False),
+    pytest.param("hybrid", "xla", True, marks=pytest.mark.slow),
+    pytest.param("ring", "pallas_tpu", True, marks=pytest.mark.slow),
+    pytest.param("ulysses", "pallas_tpu", True, marks=pytest.mark.slow),
+    pytest.param("ring", "xla", False, marks=pytest.mark.slow)])
 def test_remat_is_exact_and_the_names_spare_the_forward(strategy, backend, with_sinks):
   """A layer x [B, T, D] -> tanh(attention(x wq, x wk, x wv)) [B, T, N * H] (projections, dots
   that a policy may save or recompute, around ring_attention: causal, zigzag, GQA, with or
