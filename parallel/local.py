@@ -72,12 +72,19 @@ class Residuals(NamedTuple):
 RESIDUAL_NAMES = ("ringflash_out", "ringflash_lse", "ringflash_inputs")
 
 
+def named_output(out, lse):
+  """(out, lse) named as RESIDUAL_NAMES' first two, for jax.checkpoint's policies (no effect
+  elsewhere)."""
+  return checkpoint_name(out, RESIDUAL_NAMES[0]), checkpoint_name(lse, RESIDUAL_NAMES[1])
+
+
 def named_residuals(res):
-  """`res` (a strategy's residuals, a NamedTuple with fields out and lse) with each array
-  named for jax.checkpoint's policies (RESIDUAL_NAMES; no effect elsewhere)."""
-  names = {"out": RESIDUAL_NAMES[0], "lse": RESIDUAL_NAMES[1]}
-  return type(res)(*(None if x is None else checkpoint_name(x, names.get(f, RESIDUAL_NAMES[2]))
-                     for f, x in zip(res._fields, res)))
+  """`res` (a strategy's residuals, a NamedTuple with fields out and lse) with out and lse
+  named as named_output names them and every other array as the kernels' inputs."""
+  named = {f: None if x is None else checkpoint_name(x, RESIDUAL_NAMES[2])
+           for f, x in zip(res._fields, res) if f not in ("out", "lse")}
+  named["out"], named["lse"] = named_output(res.out, res.lse)
+  return type(res)(**named)
 
 
 class _Residuals(NamedTuple):

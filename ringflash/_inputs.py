@@ -31,15 +31,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringflash import _mesh
 from ringflash import _validate
 from ringflash.kernels import base
+from ringflash.parallel import local
 from ringflash.parallel import plan
-from ringflash.parallel.local import RESIDUAL_NAMES
 
 PAD_Q = np.iinfo(np.int32).max
 PAD_K = np.iinfo(np.int32).min
@@ -375,7 +374,7 @@ def finish(call: _validate.Call, out, lse, sinks, rows=None, lead_order=None):
   # jax.checkpoint saves them, a rematerialized backward rebuilds what follows from these
   # (sinks, trimming: elementwise and local) without running the strategy again, the
   # collectives that bring its output back to the sequence's layout included.
-  out, lse = checkpoint_name(out, RESIDUAL_NAMES[0]), checkpoint_name(lse, RESIDUAL_NAMES[1])
+  out, lse = local.named_output(out, lse)
   if sinks is not None:
     out, lse = add_sinks(out, lse, sinks)
   out, lse = overflowed_rows(out, lse)
