@@ -94,3 +94,50 @@ def test_remat_is_exact_and_the_names_spare_the_forward(strategy, backend, with_
     counts[name] = _collectives(jax.make_jaxpr(grads)(*args))
   assert counts["names"] == counts["plain"], counts
   assert counts["nothing"] > counts["plain"], counts
+
+
+def _hopper():
+  return [d for d in jax.devices() if d.platform == "gpu"
+          and int(str(getattr(d, "compute_capability", "0")).split(".")[0]) >= 9]
+
+
+@pytest.mark.parametrize("backend,dtype", [
+    ("pallas_tpu", jnp.float32),
+    pytest.param("pallas_gpu", jnp.bfloat16, marks=pytest.mark.skipif(
+        not _hopper(), reason="needs a GPU of compute capability >= 9.0"))])
+def test_the_names_spare_the_kernels_forward_on_one_device(backend, dtype):
+  """On one device there is no collective to count: the kernels are. The same layer (causal,
+  GQA, sinks; q, k, v cast to the backend's dtype) on a ring of one: with the names saved the
+  backward launches as many kernels as the plain one, with nothing saved more (the forward
+  kernel again), and the gradients under each policy are the plain ones."""
+  t, h = 256, 64
+  mesh = Mesh(np.array(_hopper()[:1] if backend == "pallas_gpu" else jax.devices()[:1]),
+              ("sp",))
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.standard_normal((2, t, D)), jnp.float32)
+  weights = tuple(jnp.asarray(rng.standard_normal((D, m * h)) / np.sqrt(D), jnp.float32)
+                  for m in (N, K, K))
+  sinks = jnp.asarray([0.5, -1.0, 0.0, 2.0], jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((2, t, N * h)), jnp.float32)
+  args = (x, *weights, sinks)
+
+  def layer(x, wq, wk, wv, sinks):
+    b = x.shape[0]
+    q, k, v = ((x @ w).reshape(b, t, -1, h).astype(dtype) for w in (wq, wk, wv))
+    out = ringflash.ring_attention(q, k, v, mesh=mesh, axis_name="sp", is_causal=True,
+                                   backend=backend, sinks=sinks)
+    return jnp.tanh(out.astype(jnp.float32).reshape(b, t, N * h))
+
+  grads, kernels = {}, {}
+  for name, policy in [("plain", None), ("nothing", jax.checkpoint_policies.nothing_saveable),
+                       ("names", NAMES)]:
+    f = layer if policy is None else jax.checkpoint(layer, policy=policy)
+    g = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * dy), argnums=tuple(range(len(args)))))
+    grads[name] = g(*args)
+    kernels[name] = str(jax.make_jaxpr(g)(*args)).count("pallas_call[")
+  for name in ("nothing", "names"):
+    for got, want, what in zip(grads[name], grads["plain"], ("x", "wq", "wk", "wv", "sinks")):
+      assert helpers.max_err(got, want) <= helpers.fp32_tol(want), (name, what)
+  assert kernels["plain"] >= 2, kernels
+  assert kernels["names"] == kernels["plain"], kernels
+  assert kernels["nothing"] > kernels["plain"], kernels
