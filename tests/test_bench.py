@@ -44,6 +44,7 @@ def _bench(tmp_path, *flags, devices=2):
   return done.stdout
 
 
+@pytest.mark.slow
 def test_scaling_mode_rows_per_ring_size(tmp_path):
   out = _bench(tmp_path, "--mode=scaling", "--seq_lens=128", "--causal=false,true",
                f"--hlo_dir={tmp_path / 'hlo'}", devices=4)
@@ -195,6 +196,7 @@ def test_strategies_mode_rows_with_every_strategy_and_baseline(tmp_path):
     assert row["auto_choice"] == "ring"          # CPU meshes: the ring (parallel/cost.py)
 
 
+@pytest.mark.slow
 def test_features_mode_rows_per_variant(tmp_path):
   """One CPU device: each variant's row with ringflash's figures and its ratios to the
   row's other implementations (the plain kernel, and jax.nn's attention: named jax_nn on

@@ -138,7 +138,8 @@ INTERPRET_CASES = [
     (False, True, 2, 1, (20, 5), 64, 64, None, False),
     (True, True, 4, 2, None, 64, 128, 2.0, True),        # soft-cap, Hv > H, empty rows
     (True, True, 4, 2, None, 64, 128, 2.0, False),
-    (False, False, 2, 1, (30, 10), 80, 48, 3.0, "backend"),   # pieces 64 + 16 / 32 + 16
+    pytest.param(False, False, 2, 1, (30, 10), 80, 48, 3.0, "backend",   # 64 + 16 / 32 + 16
+                 marks=pytest.mark.slow),
     (True, True, 4, 2, None, 192, 128, 5.0, "backend"),  # MLA: pieces 128 + 64 / 128
     (False, False, 2, 2, None, 72, 160, None, "backend"),     # 64 + 16 (padded) / 128 + 32
 ]

@@ -42,6 +42,7 @@ def _checker():
   return random_check._Checker("xla")  # pylint: disable=protected-access
 
 
+@pytest.mark.slow
 def test_cases_pass_on_xla(capsys):
   assert random_check.main(["--backend=xla", "--cases=4", "--seed=1"]) == 0
   assert "4 passed, 0 failed, 0 refused" in capsys.readouterr().out
@@ -63,9 +64,12 @@ def test_only_ringflash_refuses_a_case(monkeypatch, capsys):
   assert "0 passed, 2 failed, 0 refused" in out and "raised ValueError: an error" in out, out
 
 
-@pytest.mark.parametrize("case", [API, HOP, dataclasses.replace(API, poison="k"),
-                                  dataclasses.replace(API, poison="v", dtype="bfloat16",
-                                                      poison_value=math.inf),
+@pytest.mark.parametrize("case", [API, HOP,
+                                  pytest.param(dataclasses.replace(API, poison="k"),
+                                               marks=pytest.mark.slow),
+                                  pytest.param(dataclasses.replace(
+                                      API, poison="v", dtype="bfloat16",
+                                      poison_value=math.inf), marks=pytest.mark.slow),
                                   HYBRID, DECODE, CACHE,
                                   dataclasses.replace(API, entry="ring_attention_sharded"),
                                   dataclasses.replace(DECODE, poison="v", dtype="bfloat16"),
@@ -173,8 +177,9 @@ def test_a_sink_gradient_off_by_a_tenth_fails(monkeypatch, dtype):
                                   # chunk of 8): the kernels see gathered rows
                                   dataclasses.replace(API, strategy="ulysses",
                                                       tiles=(32, 16, 64, 32)),
-                                  dataclasses.replace(API, strategy="allgather",
-                                                      tiles=(8, 32, 4, 64))],
+                                  pytest.param(dataclasses.replace(
+                                      API, strategy="allgather", tiles=(8, 32, 4, 64)),
+                                               marks=pytest.mark.slow)],
                          ids=["api", "hop", "ulysses", "allgather"])
 def test_drawn_tiles_reach_the_kernels(monkeypatch, case):
   # The same case may have run in this process already (test_a_right_case_passes): its

@@ -182,6 +182,7 @@ def test_each_ring_step_permute_is_in_flight_around_the_kernel(topology):
   assert bodies >= 2, "expected a forward and a backward ring loop body"
 
 
+@pytest.mark.slow
 def test_each_transfer_is_one_array_and_dkdv_go_home_in_the_input_dtype():
   """K and V travel as one array (XLA's GPU scheduler overlaps one collective at a time by
   default: as two permutes, one ran outside the kernel on two H200s), and their positions

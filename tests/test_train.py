@@ -437,8 +437,9 @@ def _corrupt_arrays(step_dir):
       f.write(blob)
 
 
-@pytest.mark.parametrize("damage", ["corrupt_arrays", "delete_arrays", "drop_metadata",
-                                    "truncate_arrays"])
+@pytest.mark.parametrize("damage", [
+    "corrupt_arrays", "delete_arrays", pytest.param("drop_metadata", marks=pytest.mark.slow),
+    pytest.param("truncate_arrays", marks=pytest.mark.slow)])
 def test_partial_or_corrupted_checkpoint_is_skipped_and_named(tmp_path, damage):
   trainer = train.Trainer(_config())
   state = trainer.init_state()

@@ -26,14 +26,23 @@ import ringflash
 from contract import base
 from contract import test_xla
 
-STRATEGY_RING_CASES = [c for c in base.RING_CASES if c.name in (
-    "gqa-causal-seg-P8", "mqa-seg-P4", "cross-causal-T<S-P4", "zigzag-causal-P8",
-    "striped-causal-seg-P4", "window-spanning-seg-P8", "low-precision-gqa-causal-P4")]
-STRATEGY_VOCAB_CASES = [c for c in base.VOCAB_CASES if c.name in (
-    "sinks-softcap-window-zigzag-P4", "uneven-seg-P8", "batch-dims-2x2-P2",
-    "zigzag-uneven-sinks-seg-P4")]
-SLOW_STRATEGY_VOCAB_CASES = [c for c in base.VOCAB_CASES if c.name in (
-    "mla-192-128-P2", "everything-P4", "lengths-P4")]
+
+def _named(cases, *names):
+  """The cases of the base's lists (default and slow) with these names, every one found."""
+  out = [c for c in cases if c.name in names]
+  assert sorted(c.name for c in out) == sorted(names), names
+  return out
+
+
+STRATEGY_RING_CASES = _named(
+    base.RING_CASES + base.SLOW_RING_CASES, "gqa-causal-seg-P8", "mqa-seg-P4",
+    "cross-causal-T<S-P4", "zigzag-causal-P8", "striped-causal-seg-P4",
+    "window-spanning-seg-P8", "low-precision-gqa-causal-P4")
+STRATEGY_VOCAB_CASES = _named(
+    base.VOCAB_CASES + base.SLOW_VOCAB_CASES, "sinks-softcap-window-zigzag-P4",
+    "uneven-seg-P8", "batch-dims-2x2-P2", "zigzag-uneven-sinks-seg-P4")
+SLOW_STRATEGY_VOCAB_CASES = _named(
+    base.VOCAB_CASES + base.SLOW_VOCAB_CASES, "mla-192-128-P2", "everything-P4", "lengths-P4")
 
 
 class _Strategy(test_xla.TestXla):
