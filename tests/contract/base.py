@@ -751,12 +751,28 @@ class ContractTests:
                                layout=layout, trim=trim, causal=causal, window=window,
                                bidirectional=window is not None)
 
+  @pytest.mark.parametrize("policy", [
+      pytest.param("names", id="names"),
+      pytest.param("nothing", id="nothing", marks=pytest.mark.slow)])
+  def test_nonfinite_rule_holds_under_remat(self, policy):
+    """The rule, and exactness, where ring_attention runs under jax.checkpoint as large
+    models call it: with ringflash.RESIDUAL_NAMES saved (the backward reads the forward's
+    named out, lse and inputs) and with nothing saved (the backward runs the forward again).
+    A NaN key and sinks."""
+    self.require("ring", "sinks")
+    names = jax.checkpoint_policies.save_only_these_names(*ringflash.RESIDUAL_NAMES)
+    self._check_seen_nonfinite(
+        "k", np.nan, *self._nonfinite_vocab(None, True),
+        remat=names if policy == "names" else jax.checkpoint_policies.nothing_saveable)
+
   def _check_seen_nonfinite(self, where, value, vocab, oracle_vocab, *, layout="contiguous",
-                            trim=(0, 0), causal=True, window=None, bidirectional=False):
+                            trim=(0, 0), causal=True, window=None, bidirectional=False,
+                            remat=None):
     """One bad entry (`value`) in q, k or v of a 4-device ring: the rows that see it, and
     the gradients that depend on them, are non-finite; every other row and gradient is
     finite and equal to the oracle's on clean inputs. Natural order in and out (to_layout /
-    from_layout around the ring); window in sixteenths of UNIT."""
+    from_layout around the ring); window in sixteenths of UNIT. remat: a jax.checkpoint
+    policy the ring call runs under (None: no jax.checkpoint)."""
     case = self.adapt(RingCase("seen-nan", 4, causal=causal, layout=layout))
     q, k, v, dout, _ = self._inputs(case)
     t0 = q.shape[1]
@@ -788,6 +804,8 @@ class ContractTests:
           block_sizes=self.block_sizes(local, local))
       return back(out), back(lse, axis=2)
 
+    if remat is not None:
+      ring = jax.checkpoint(ring, policy=remat)
     out, lse = (np.asarray(x, np.float32) for x in jax.jit(ring)(bad["q"], bad["k"], bad["v"]))
     lse = lse[0].T                                                        # [T, N]
     assert np.all(np.any(~np.isfinite(out[0]), axis=-1)[seeing]), "a row that saw NaN"

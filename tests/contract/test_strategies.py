@@ -110,6 +110,15 @@ def test_nonfinite_rule(strategy, where):
   _Strategy(strategy).test_nonfinite_values_a_row_does_not_see_never_reach_it(where, None, False)
 
 
+@pytest.mark.parametrize("strategy", [pytest.param("allgather", marks=pytest.mark.slow),
+                                      "ulysses",
+                                      pytest.param("hybrid", marks=pytest.mark.slow)])
+def test_nonfinite_rule_under_remat(strategy):
+  """Ulysses' backward reads the inputs after its all-to-alls, which carry a name of their
+  own (ringflash.RESIDUAL_NAMES)."""
+  _Strategy(strategy).test_nonfinite_rule_holds_under_remat("names")
+
+
 @pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_scores_below_float32(strategy, sinks):
