@@ -26,6 +26,19 @@ def load_script(name: str):
   return script
 
 
+def hopper_devices():
+  """The GPUs of compute capability >= 9.0 (Hopper and later), which pallas_gpu's Mosaic GPU
+  kernels need."""
+  out = []
+  for d in jax.devices():
+    try:
+      if d.platform == "gpu" and int(str(d.compute_capability).split(".")[0]) >= 9:
+        out.append(d)
+    except (AttributeError, ValueError):
+      pass
+  return out
+
+
 def mesh_of(ring_size: int, axis_name: str = "sp") -> Mesh:
   devices = jax.devices()
   if len(devices) < ring_size:

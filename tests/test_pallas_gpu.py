@@ -35,21 +35,7 @@ import helpers
 import oracle
 
 
-def _hopper_devices():
-  out = []
-  for d in jax.devices():
-    if d.platform != "gpu":
-      continue
-    try:
-      major = int(str(getattr(d, "compute_capability", "0")).split(".")[0])
-    except ValueError:
-      major = 0
-    if major >= 9:
-      out.append(d)
-  return out
-
-
-needs_hopper = pytest.mark.skipif(not _hopper_devices(),
+needs_hopper = pytest.mark.skipif(not helpers.hopper_devices(),
                                   reason="needs a GPU of compute capability >= 9.0")
 
 
@@ -621,7 +607,7 @@ def _dense_grads(dense, q, k, v, do):
 
 
 def _mesh():
-  return Mesh(np.array(_hopper_devices()[:1]), ("sp",))
+  return Mesh(np.array(helpers.hopper_devices()[:1]), ("sp",))
 
 
 # Head dims 128 and 256 (the contract cases, tests/contract/, run head dim 64).
@@ -758,7 +744,7 @@ def test_mosaic_backward_matches_oracle(causal, segs, window, n, kh, h, t, s):
 @needs_hopper
 def test_auto_picks_pallas_gpu():
   from ringflash import introspect  # pylint: disable=g-import-not-at-top
-  d = _hopper_devices()[0]
+  d = helpers.hopper_devices()[0]
   shape = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
   assert introspect.ring_spec(shape, shape, shape, ring_size=1, device=d).backend == "pallas_gpu"
 
@@ -900,7 +886,7 @@ _FAST_ON_CPU = {("ring", "global"), ("ulysses", "sharded")}
 def _two_devices(backend):
   """Two devices for `backend`, or None: Hopper GPUs for pallas_gpu, else CPU devices."""
   if backend == "pallas_gpu":
-    devices = _hopper_devices()
+    devices = helpers.hopper_devices()
   else:
     devices = [d for d in jax.devices() if d.platform == "cpu"]
   return devices[:2] if len(devices) >= 2 else None

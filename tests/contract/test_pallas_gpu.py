@@ -17,18 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import helpers
 from contract import base
-
-
-def _hopper_devices():
-  out = []
-  for d in jax.devices():
-    try:
-      if d.platform == "gpu" and int(str(d.compute_capability).split(".")[0]) >= 9:
-        out.append(d)
-    except (AttributeError, ValueError):
-      pass
-  return out
 
 
 class TestPallasGpu(base.ContractTests):
@@ -37,11 +27,12 @@ class TestPallasGpu(base.ContractTests):
   LOW_DTYPE = jnp.float16
   HEAD_DIM = 64
   UNIT = 256
-  SKIP = None if _hopper_devices() else (
+  SKIP = None if helpers.hopper_devices() else (
       "needs a GPU of compute capability >= 9.0 (run with JAX_PLATFORMS=cuda on an H200)")
 
   def adapt(self, case):
-    return dataclasses.replace(case, ring_size=min(case.ring_size, len(_hopper_devices())))
+    return dataclasses.replace(case,
+                               ring_size=min(case.ring_size, len(helpers.hopper_devices())))
 
   def mesh(self, ring_size):
-    return jax.sharding.Mesh(np.array(_hopper_devices()[:ring_size]), ("sp",))
+    return jax.sharding.Mesh(np.array(helpers.hopper_devices()[:ring_size]), ("sp",))
