@@ -17,7 +17,7 @@ ringflash.parallel and the other subpackages.)
 e.g. `python3 scripts/gpu_tests.py contract/test_pallas_gpu.py -m "slow or not slow"`
 (paths relative to tests/). It collects the selected case ids once, deals them round-robin
 to N processes (default: a third of the cores, at least 1), waits, prints each process's
-summary line and the failures' lines (for a process past --timeout, what its result lines
+summary line and the failures' lines (--logs DIR keeps each process's whole log) (for a process past --timeout, what its result lines
 say), then the ids of the cases that processes past --timeout did not finish (to pass as the selection of the next call), and exits 1 if any
 process failed or ran past --timeout. docs/GPU_NOTES.md (run 37) has what the same dealing
 printed for the contract file.
@@ -75,6 +75,8 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 3) // 3))
   parser.add_argument("--timeout", type=int, default=900, help="seconds per process")
   parser.add_argument("--platform", default="cuda", help="JAX_PLATFORMS of the processes")
+  parser.add_argument("--logs", default=None,
+                      help="a folder to write each process's whole pytest log to")
   args, selection = parser.parse_known_args(argv)
   if args.processes < 1 or args.timeout < 1:
     parser.error("--processes and --timeout must be >= 1")
@@ -97,6 +99,11 @@ def main(argv: list[str]) -> int:
                             cwd=TESTS, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for part in parts]
   logs = [p.communicate()[0] for p in procs]
+  if args.logs:
+    folder = pathlib.Path(args.logs)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, log in enumerate(logs):
+      (folder / f"process{i}.log").write_text(log)
   failed = False
   left = []
   for i, (proc, log, part) in enumerate(zip(procs, logs, parts)):
