@@ -105,9 +105,12 @@ def test_the_names_spare_the_kernels_forward_on_one_device(backend, dtype):
   """On one device there is no collective to count: the kernels are. tanh(attention(q, k, v))
   (causal, GQA, sinks, the backend's dtype) on a ring of one: with the names saved the
   backward launches as many kernels as the plain one, with nothing saved more (the forward
-  kernel again). The plain gradients meet the oracle's (fp32_tol; bf16: 3x a dense bf16
-  implementation's error), and each policy's depart from the plain ones by no more than the
-  plain ones depart from the oracle's (at least fp32_tol)."""
+  kernel again). The gradients under every policy, none included, meet the oracle's (fp32_tol;
+  bf16: 3x a dense bf16 implementation's error). Not closer to the plain ones than that: a
+  policy moves the elementwise work around the kernels (tanh's derivative, giving the
+  cotangent of out) into other fusions, whose float32 roundings flip bf16 roundings of the
+  cotangent and of the gradients (seen on an H100: dq off by 2^-7 at a value in [1, 2), dsinks
+  by 0.3%)."""
   t, h = 256, 64
   devices = helpers.hopper_devices() if backend == "pallas_gpu" else jax.devices()
   mesh = Mesh(np.array(devices[:1]), ("sp",))
@@ -142,13 +145,10 @@ def test_the_names_spare_the_kernels_forward_on_one_device(backend, dtype):
     grads[name] = grads_of(f, args)
     kernels[name] = str(jax.make_jaxpr(grad_of(f))(*args)).count("pallas_call[")
   for i, what in enumerate(("q", "k", "v", "sinks")):
-    plain = grads["plain"][i]
-    bound = max(helpers.fp32_tol(want[i]), helpers.max_err(plain, want[i]))
-    assert helpers.max_err(plain, want[i]) <= (
-        helpers.fp32_tol(want[i]) if dtype == jnp.float32
-        else 3 * helpers.max_err(dense[i], want[i])), what
-    for name in ("nothing", "names"):
-      assert helpers.max_err(grads[name][i], plain) <= bound, (name, what)
+    bound = (helpers.fp32_tol(want[i]) if dtype == jnp.float32
+             else 3 * helpers.max_err(dense[i], want[i]))
+    for name, got in grads.items():
+      assert helpers.max_err(got[i], want[i]) <= bound, (name, what)
   assert kernels["plain"] >= 2, kernels
   assert kernels["names"] == kernels["plain"], kernels
   assert kernels["nothing"] > kernels["plain"], kernels
