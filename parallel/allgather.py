@@ -4,7 +4,7 @@ Worked example, zigzag layout, P = 4 devices, 16 tokens (4 per device, chunks of
 holds queries 2 3 12 13. It all-gathers K/V over the axis, receiving the blocks of devices
 0..3 in device order, so its key rows are the layout-ordered sequence
 0 1 14 15 | 2 3 12 13 | 4 5 10 11 | 6 7 8 9 (parallel.plan.layout_positions, flattened);
-a local gather puts them in natural order 0..15 (parallel.plan.natural_order), and it
+a local copy puts them in natural order 0..15 (parallel.plan.to_natural), and it
 attends its four queries to those 16 keys in one kernel call; with causal masking the
 kernel skips the tiles after each query (positions decide, as in the ring, and each query
 tile's keys are one contiguous range). zigzag gives
@@ -40,27 +40,23 @@ def _gather(x, spec: GatherSpec):
 
 
 def _positions(spec: GatherSpec, t: int, s: int):
-  """This device's query positions [t], and every key's [s * P] with the order that puts the
-  gathered keys in natural order (None for the contiguous layout, already natural)."""
+  """This device's query positions [t], and every key's [s * P] (the gathered keys in
+  natural order)."""
   q_pos = ring_plan.device_positions(spec.layout, lax.axis_index(spec.axis_name), spec.size, t)
-  k_pos = jnp.arange(s * spec.size, dtype=jnp.int32)
-  if spec.layout == "contiguous":
-    return q_pos, k_pos, None, None
-  order, back = ring_plan.natural_order(spec.layout, spec.size, s * spec.size)
-  return q_pos, k_pos, order, back
+  return q_pos, jnp.arange(s * spec.size, dtype=jnp.int32)
 
 
-def _keys(x, spec: GatherSpec, order):
+def _keys(x, spec: GatherSpec):
   """All devices' rows of x (K, V or their segment ids), in natural order: one key range per
   query tile for the kernel's tile skipping."""
   x = _gather(x, spec)
-  return x if x is None or order is None else jnp.take(x, order, axis=1)
+  return None if x is None else ring_plan.to_natural(x, spec.layout, spec.size, axis=1)
 
 
 def _forward(q, k, v, q_seg, kv_seg, spec: GatherSpec):
-  q_pos, k_pos, order, _ = _positions(spec, q.shape[1], k.shape[1])
-  return local.forward(q, _keys(k, spec, order), _keys(v, spec, order), q_pos, k_pos, q_seg,
-                       _keys(kv_seg, spec, order), spec.local)
+  q_pos, k_pos = _positions(spec, q.shape[1], k.shape[1])
+  return local.forward(q, _keys(k, spec), _keys(v, spec), q_pos, k_pos, q_seg,
+                       _keys(kv_seg, spec), spec.local)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("spec",))
@@ -88,13 +84,13 @@ def _fwd(q, k, v, q_seg, kv_seg, spec):
 
 def _bwd(spec, res: local.Residuals, cotangents):
   dout, dlse = cotangents
-  q_pos, k_pos, order, back = _positions(spec, res.q.shape[1], res.k.shape[1])
-  dq, dk, dv = local.backward(res.q, _keys(res.k, spec, order), _keys(res.v, spec, order),
+  q_pos, k_pos = _positions(spec, res.q.shape[1], res.k.shape[1])
+  dq, dk, dv = local.backward(res.q, _keys(res.k, spec), _keys(res.v, spec),
                               res.out, res.lse, dout, dlse, q_pos, k_pos, res.q_seg,
-                              _keys(res.kv_seg, spec, order), spec.local)
+                              _keys(res.kv_seg, spec), spec.local)
 
   def home(g):           # each device keeps its own keys' rows, summed over all devices
-    g = g if back is None else jnp.take(g, back, axis=1)      # layout order again
+    g = ring_plan.from_natural(g, spec.layout, spec.size, axis=1)   # layout order again
     return lax.psum_scatter(g, spec.axis_name, scatter_dimension=1, tiled=True)
 
   return (dq.astype(res.q.dtype), home(dk).astype(res.k.dtype),

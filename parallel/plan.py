@@ -154,17 +154,48 @@ def layout_order(layout: str, ring_size: int, length: int) -> np.ndarray:
   return pos[pos < length] if full != length else pos
 
 
-def natural_order(layout: str, ring_size: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-  """The rows of a layout-ordered sequence of `length` tokens in natural order, and back.
+def to_natural(x, layout: str, ring_size: int, axis: int):
+  """x's rows along `axis`, a layout-ordered sequence over `ring_size` devices (device 0's
+  rows, then device 1's, ...), in natural order; from_natural is its inverse.
 
-  Returns (order, positions), int32 [length] each: x[:, order] is natural order, and
-  natural[:, positions] is layout order again. zigzag, P = 2, 8 tokens: layout rows hold
-  positions 0 1 6 7 2 3 4 5, so order = 0 1 4 5 6 7 2 3 and positions = 0 1 6 7 2 3 4 5.
+  Static slices, reshapes and transposes, not a gather: nothing of the permutation is kept
+  for the transpose, so a rematerialized backward needs no index array (jax.checkpoint).
   A kernel over a whole sequence (Ulysses, all-gather) skips tiles by contiguous key ranges
   per query tile: it wants the natural order, where each row's keys are one range.
+  zigzag, P = 2, 8 tokens: layout rows hold positions 0 1 6 7 2 3 4 5; chunk pairs
+  [0 1 | 6 7], [2 3 | 4 5]: the first chunks in device order, then the second chunks in
+  reverse device order, give 0 1 2 3 4 5 6 7. striped, P = 2: 0 2 4 6 1 3 5 7 is a [2, 4]
+  array whose transpose, flattened, is natural.
   """
-  positions = layout_positions(layout, ring_size, length).reshape(-1)
-  return np.argsort(positions).astype(np.int32), positions
+  if layout == "contiguous":
+    return x
+  n = x.shape[axis]
+  lead, rest = x.shape[:axis], x.shape[axis + 1:]
+  if layout == "striped":
+    x = x.reshape(lead + (ring_size, n // ring_size) + rest)
+    return jnp.swapaxes(x, axis, axis + 1).reshape(lead + (n,) + rest)
+  c = n // (2 * ring_size)
+  x = x.reshape(lead + (ring_size, 2, c) + rest)
+  first = lax.index_in_dim(x, 0, axis + 1, keepdims=False)     # chunks 0 .. P-1
+  second = lax.rev(lax.index_in_dim(x, 1, axis + 1, keepdims=False), (axis,))  # P .. 2P-1
+  return jnp.concatenate([first, second], axis=axis).reshape(lead + (n,) + rest)
+
+
+def from_natural(x, layout: str, ring_size: int, axis: int):
+  """x's rows along `axis`, in natural order, in the layout's order over `ring_size` devices
+  (to_natural's inverse)."""
+  if layout == "contiguous":
+    return x
+  n = x.shape[axis]
+  lead, rest = x.shape[:axis], x.shape[axis + 1:]
+  if layout == "striped":
+    x = x.reshape(lead + (n // ring_size, ring_size) + rest)
+    return jnp.swapaxes(x, axis, axis + 1).reshape(lead + (n,) + rest)
+  c = n // (2 * ring_size)
+  x = x.reshape(lead + (2, ring_size, c) + rest)
+  first = lax.index_in_dim(x, 0, axis, keepdims=False)          # device i's first chunk
+  second = lax.rev(lax.index_in_dim(x, 1, axis, keepdims=False), (axis,))
+  return jnp.stack([first, second], axis=axis + 1).reshape(lead + (n,) + rest)
 
 
 def device_positions(layout: str, index, ring_size: int, local_len: int, group: int = 1):

@@ -9,7 +9,7 @@ head n uses kv head n // 4). It attends those heads over the whole sequence in o
 call (parallel.local.attend), and a second all-to-all returns positions 512..767 of all 16
 heads. lse [B, N, T] goes back the same way. With the zigzag or striped layout the gathered
 rows are in layout order; they are put in natural order before the kernel and back after
-it (parallel.plan.natural_order: a local gather, O(T N H / P)), so that each query tile's
+it (parallel.plan.to_natural: static slices and reshapes, a copy of O(T N H / P)), so that each query tile's
 keys are one contiguous range and a causal kernel skips every tile past the diagonal.
 
 Fewer kv heads than devices (K < P, P % K == 0): each kv head is repeated P / K times before
@@ -97,15 +97,14 @@ def ulysses_attention_local(q, k, v, q_seg, kv_seg, spec: UlyssesSpec, positions
   else:
     # The gathered rows are in layout order; the kernel runs them in natural order (one
     # contiguous key range per query tile), and the results go back to layout order.
-    q_order, q_back = ring_plan.natural_order(spec.layout, p, t)
-    k_order, _ = ring_plan.natural_order(spec.layout, p, s)
-    qh = jnp.take(qh, q_order, axis=1)
-    kh_, vh = (jnp.take(x, k_order, axis=1) for x in (kh_, vh))
-    q_seg = None if q_seg is None else jnp.take(q_seg, q_order, axis=1)
-    kv_seg = None if kv_seg is None else jnp.take(kv_seg, k_order, axis=1)
+    def natural(x):
+      return None if x is None else ring_plan.to_natural(x, spec.layout, p, axis=1)
+
+    qh, kh_, vh, q_seg, kv_seg = (natural(x) for x in (qh, kh_, vh, q_seg, kv_seg))
     q_pos, k_pos = jnp.arange(t, dtype=jnp.int32), jnp.arange(s, dtype=jnp.int32)
     out, lse = local.attend(qh, kh_, vh, q_pos, k_pos, q_seg, kv_seg, spec.local)
-    out, lse = jnp.take(out, q_back, axis=1), jnp.take(lse, q_back, axis=2)
+    out = ring_plan.from_natural(out, spec.layout, p, axis=1)
+    lse = ring_plan.from_natural(lse, spec.layout, p, axis=2)
     return to_sequence(out, axis), to_sequence(lse, axis, seq_axis=2, head_axis=1)
   out, lse = local.attend(qh, kh_, vh, q_pos, k_pos, q_seg, kv_seg, spec.local)
   return to_sequence(out, axis), to_sequence(lse, axis, seq_axis=2, head_axis=1)

@@ -536,7 +536,7 @@ def strategy_problem(strategy: str, call: Call, axes: SeqAxes, t_local: int, s_l
   halves); allgather: the local shard (halved for zigzag chunks) against the whole
   sequence; ulysses: the whole sequence, N / P query heads; hybrid: the ring over the runs
   gathered by the Ulysses axis, N / U query heads. allgather's keys and ulysses' rows are
-  put in natural order before the kernel (parallel.plan.natural_order), so tiles may span
+  put in natural order before the kernel (parallel.plan.to_natural), so tiles may span
   the shards they were gathered from: their sizes divide the gathered length, not T / P.
   """
   p, k, g = axes.size, call.k, call.n // call.k

@@ -222,6 +222,32 @@ def test_round_trip(layout, ring_size):
   np.testing.assert_array_equal(ringflash.from_layout(laid, layout, ring_size, axis=2), lse)
 
 
+@pytest.mark.parametrize("layout", ring_plan.LAYOUTS)
+@pytest.mark.parametrize("ring_size", [1, 2, 4, 8])
+def test_natural_order_of_gathered_rows(layout, ring_size):
+  """to_natural puts a layout-ordered sequence (device 0's rows, then device 1's, ...) in
+  natural order along any axis, from_natural puts it back, and neither is a gather: nothing
+  of the permutation is kept for the transpose, so a rematerialized backward (jax.checkpoint
+  with Ulysses or all-gather) has no index array to rebuild."""
+  n = 4 * ring_size
+  laid = ring_plan.layout_positions(layout, ring_size, n).reshape(-1)
+  for axis, shape in ((0, (n,)), (1, (2, n, 3)), (2, (2, 3, n))):
+    def along(row, axis=axis, shape=shape):      # row [n] placed along `axis` of `shape`
+      return np.moveaxis(np.broadcast_to(row, shape[:axis] + shape[axis + 1:] + (n,)), -1, axis)
+
+    x = along(laid)
+    natural = ring_plan.to_natural(jnp.asarray(x), layout, ring_size, axis)
+    np.testing.assert_array_equal(natural, along(np.arange(n)))
+    np.testing.assert_array_equal(ring_plan.from_natural(natural, layout, ring_size, axis), x)
+
+  def loss(x):
+    y = ring_plan.to_natural(x, layout, ring_size, 1)
+    return jnp.sum(ring_plan.from_natural(jnp.sin(y), layout, ring_size, 1) * x)
+
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss))(jnp.ones((2, n, 3))))
+  assert not re.search(r"\b(gather|scatter-add|scatter_add|scatter)\b", jaxpr), jaxpr
+
+
 def test_uneven_lengths_examples():
   # The layout of the next length that fits (zigzag: 8 for 7 tokens on 2 devices, 0 1 6 7 |
   # 2 3 4 5), the positions past the length left out.
