@@ -364,9 +364,13 @@ def finish_rows(m, l, m_scale=1.0):
   some hardware skip NaN operands): rows whose every valid score is NaN must not pass for
   rows without keys, nor for rows of scores below float32.
   """
-  # No `~`: Mosaic GPU cannot lower a bool array's not. l == l: l is not NaN.
+  # Ordered comparisons only: no `~` (Mosaic GPU cannot lower a bool array's not) and no
+  # float `!=` or isnan (an unordered comparison, which Mosaic TPU does not lower: libtpu
+  # 0.0.52 with jax 0.12.1 refuses "comparison direction: une"). l == l: l is not NaN.
+  # m > LOWEST: the row met a valid score float32 holds (m is -inf, LOWEST or more; a NaN
+  # m fails it, as it failed m > -inf).
   floor_only = (m == LOWEST) & (l == l)
-  real = ((m > -jnp.inf) & (m != LOWEST)) | jnp.isnan(l)
+  real = (m > LOWEST) | (jnp.where(l == l, 0.0, 1.0) > 0.5)
   l_safe = jnp.where(real, l, 1.0)
   inv = jnp.where(real, 1.0 / l_safe, 0.0)
   lse = jnp.where(real, m * m_scale + jnp.log(l_safe),

@@ -674,7 +674,7 @@ def _dkv_kernel(bounds_ref, span_ref, *refs, t: _Tile, tiling: _Tiling):
       do = t.stack_rows(do_ref, c)                                # [G * bq, Hv]
       lse = t.stack_lanes(lse_ref, c)                             # [1, G * bq]
       delta = t.stack_lanes(d_ref, c)
-      row_ok = lse != -jnp.inf
+      row_ok = ~(lse == -jnp.inf)        # NaN stays in (no unordered `!=` in Mosaic TPU)
       keep = row_ok if valid is None else valid & row_ok
       s = t.scores(k_ref[:, c, :], q)                             # [bk, G * bq]
       p = jnp.where(keep, jnp.exp(s - jnp.where(row_ok, lse, 0.0)), 0.0)
@@ -711,7 +711,7 @@ def _dq_kernel(bounds_ref, span_ref, *refs, t: _Tile, tiling: _Tiling):
       k = k_ref[:, c, :]
       lse = t.stack_col(lse_t, c)                                 # [G * bq, 1]
       delta = t.stack_col(d_t, c)
-      row_ok = lse != -jnp.inf
+      row_ok = ~(lse == -jnp.inf)        # NaN stays in (no unordered `!=` in Mosaic TPU)
       keep = row_ok if valid is None else valid & row_ok
       s = t.scores(t.stack_rows(q_ref, c), k)                     # [G * bq, bk]
       p = jnp.where(keep, jnp.exp(s - jnp.where(row_ok, lse, 0.0)), 0.0)
