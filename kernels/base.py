@@ -111,8 +111,8 @@ class KernelSpec:
     scale: multiplier of q.k before the softmax.
     causal: mask key positions greater than the query position.
     tiles: the backend's tile configuration, resolved (every size an int that divides its
-      local length): xla.XlaBlockSizes, pallas_tpu.TpuBlockSizes or
-      pallas_gpu.GpuBlockSizes.
+      local length, except in pallas_gpu, which pads the rows up to whole tiles per call):
+      xla.XlaBlockSizes, pallas_tpu.TpuBlockSizes or pallas_gpu.GpuBlockSizes.
     interpret: run Pallas kernels in interpret mode (set when the devices are CPUs).
     window: None, or (left, right) non-negative ints, jax.nn's `local_window_size`: query
       position i sees key positions j with i - left <= j <= i + right. Example: (3, 2) lets
@@ -343,6 +343,12 @@ def guard_backward(q, k, v, out, dout, lse, dlse=None):
 
 
 LOWEST = float(np.finfo(np.float32).min)
+# Segment ids of padding rows (ringflash/_inputs.py, and the pallas_gpu backend's rows up to
+# whole tiles): a query row with PAD_Q sees nothing, a key with PAD_K is seen by nothing; no
+# real id equals either (the API refuses them), and as the largest and smallest int32 their
+# tiles fail every range test (block_may_have_work).
+PAD_Q = int(np.iinfo(np.int32).max)
+PAD_K = int(np.iinfo(np.int32).min)
 
 
 def floor_at_lowest(x):

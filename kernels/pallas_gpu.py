@@ -179,9 +179,6 @@ def unsupported(problem: base.Problem) -> str | None:
   if jnp.dtype(problem.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return (f"backend {NAME!r} supports bfloat16 and float16 inputs, got "
             f"{jnp.dtype(problem.dtype)}")
-  if problem.q_len % (2 * 64) or problem.kv_len % 64:
-    return (f"backend {NAME!r} needs local query lengths that are multiples of 128 and key "
-            f"lengths that are multiples of 64, got {problem.q_len} and {problem.kv_len}")
   return None
 
 
@@ -192,11 +189,11 @@ def resolve_tiles(given: GpuBlockSizes | None, problem: base.Problem) -> GpuBloc
   tiles of block_k rows, at the padded head dims Hp and Hvp (mosaic_dim). The default
   block_k is 128 where the [64, Hvp] fp32 accumulator and the [64, 128] scores fit the
   registers beside each other (Hvp <= 128) and Hp <= 192 (at H = 192, Hv = 128:
-  Q 48 KiB + K 96 KiB + V 64 KiB = 208 KiB of 227); else 64.
+  Q 48 KiB + K 96 KiB + V 64 KiB = 208 KiB of 227) and where it pads the keys no more than
+  64 would; else 64. Lengths the tiles do not divide are padded per call (_fit_rows).
 
   Raises:
-    ValueError: naming block_sizes, when a size does not tile the local lengths or the
-      tiles do not fit Hopper's shared memory.
+    ValueError: naming block_sizes, when the tiles do not fit Hopper's shared memory.
   """
   given = GpuBlockSizes() if given is None else given
   h, hv = mosaic_dim(problem.head_dim), mosaic_dim(problem.value_dim)
@@ -204,7 +201,9 @@ def resolve_tiles(given: GpuBlockSizes | None, problem: base.Problem) -> GpuBloc
   if given.block_k is not None:
     bk = given.block_k
   else:
-    bk = 128 if hv <= 128 and h <= 192 and problem.kv_len % 128 == 0 else 64
+    # 128 where the registers allow it and it pads the keys no more than 64 would
+    bk = (128 if hv <= 128 and h <= 192
+          and _round_up(problem.kv_len, 128) == _round_up(problem.kv_len, 64) else 64)
   stages = 2 if given.stages is None else given.stages
   itemsize = jnp.dtype(problem.dtype).itemsize
   smem = common.forward_smem_bytes(h, hv, bq, bk, stages, itemsize)
@@ -213,12 +212,6 @@ def resolve_tiles(given: GpuBlockSizes | None, problem: base.Problem) -> GpuBloc
                      f"head_dim_v={hv} (padded) needs {smem} bytes of shared memory per "
                      f"CUDA block (Q of 2 * block_q rows, {stages} stages of K and V of "
                      f"block_k rows); Hopper has {common.SMEM_BYTES} (backend {NAME!r})")
-  if problem.q_len % (2 * bq):
-    raise ValueError(f"block_sizes.block_q={bq}: the local query length {problem.q_len} "
-                     f"must be a multiple of 2 * block_q = {2 * bq} (backend {NAME!r})")
-  if problem.kv_len % bk:
-    raise ValueError(f"block_sizes.block_k={bk}: the local key length {problem.kv_len} must "
-                     f"be a multiple of block_k (backend {NAME!r})")
   return GpuBlockSizes(block_q=bq, block_k=bk, stages=stages)
 
 
@@ -229,19 +222,62 @@ def _pad_last(x, size: int):
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def _pad_rows(x, n: int, axis: int = 1, value=0):
+  """x with n rows of `value` appended along `axis` (x itself for n = 0 or None)."""
+  if x is None or not n:
+    return x
+  pads = [(0, 0)] * x.ndim
+  pads[axis] = (0, n)
+  return jnp.pad(x, pads, constant_values=value)
+
+
+def _fit_rows(q_rows: int, k_rows: int, q, k, v, q_pos, k_pos, q_seg, k_seg):
+  """The block pair with rows appended up to multiples of q_rows (queries) and k_rows
+  (keys), so that whole tiles cover them: zero rows at the last row's position (tile ranges
+  stay the real ones) whose segment ids see nothing, base.PAD_Q for queries and base.PAD_K
+  for keys (ids of zeros made for the real rows where there were none), as
+  ringflash/_inputs.py pads a sequence. The caller pads its other arrays of query rows by
+  the same count (_pad_rows) and cuts the padded rows off its results. T = 200, S = 1000,
+  tiles 128 and 64: 56 query rows and 24 key rows.
+
+  Returns ((q, k, v, q_pos, k_pos, q_seg, k_seg), padded query rows), all unchanged where
+  the tiles divide the lengths (a static branch).
+  """
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  pt, ps = _round_up(t, q_rows) - t, _round_up(s, k_rows) - s
+  if not (pt or ps):
+    return (q, k, v, q_pos, k_pos, q_seg, k_seg), 0
+  if q_seg is None:
+    q_seg = base.match_vma(jnp.zeros((b, t), jnp.int32), q)
+    k_seg = base.match_vma(jnp.zeros((b, s), jnp.int32), k)
+  q_seg = _pad_rows(q_seg.astype(jnp.int32), pt, value=base.PAD_Q)
+  k_seg = _pad_rows(k_seg.astype(jnp.int32), ps, value=base.PAD_K)
+  q_pos, k_pos = _pad_rows(q_pos, pt, 0, q_pos[-1]), _pad_rows(k_pos, ps, 0, k_pos[-1])
+  return (_pad_rows(q, pt), _pad_rows(k, ps), _pad_rows(v, ps), q_pos, k_pos, q_seg,
+          k_seg), pt
+
+
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   """Block-pair forward; see kernels/base.py for the contract.
 
   Head dims that are not multiples of 64 are zero-padded (q, k to mosaic_dim(H); v to
   mosaic_dim(Hv)) and the padded output columns cut off: a static branch, nothing happens
-  at H, Hv in (64, 128, 192, 256).
+  at H, Hv in (64, 128, 192, 256). So are local lengths that the tiles (2 * block_q query
+  rows a CUDA block, block_k key rows) do not divide (_fit_rows), with the padded rows' ids
+  seeing nothing.
 
   Returns o float32 [B, T, N, Hv] and lse float32 [B, N, T].
   """
   from ringflash.kernels import pallas_gpu_mosaic_fwd  # pylint: disable=g-import-not-at-top
   tiles = spec.tiles
-  hv = v.shape[-1]
+  t, hv = q.shape[1], v.shape[-1]
   refs = (q, k, v, q_pos, k_pos, q_seg, k_seg)
+  (q, k, v, q_pos, k_pos, q_seg, k_seg), _ = _fit_rows(2 * tiles.block_q, tiles.block_k, q, k,
+                                                       v, q_pos, k_pos, q_seg, k_seg)
   hp = mosaic_dim(q.shape[-1])
   q_in, k_in, v_in = _pad_last(q, hp), _pad_last(k, hp), _pad_last(v, mosaic_dim(hv))
   work, full = common.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, tiles.block_q,
@@ -256,6 +292,8 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   o = o.transpose(0, 2, 1, 3)
   if o.shape[-1] != hv:
     o = o[..., :hv]
+  if o.shape[1] != t:
+    o, lse = o[:, :t], lse[..., :t]
   return base.match_vma(o, *refs), base.match_vma(lse, *refs)
 
 
@@ -270,10 +308,16 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   of Hv, in static branches, and dq, dk, dv are cut back to H, H, Hv.
   """
   h, hv = q.shape[-1], v.shape[-1]
-  kernel = backward_kernel(h, hv, k.shape[1], spec.interpret)
+  t, s = q.shape[1], k.shape[1]
   gamma = delta = None
   if q.dtype == jnp.float16:                    # a static branch: bfloat16 is untouched
     gamma, v, delta = _float16_ds_range(v, out, dout, dlse, spec.scale)
+  # rows up to whole tiles (a static branch), the padded rows' gradients cut off after
+  (q, k, v, q_pos, k_pos, q_seg, k_seg), pt = _fit_rows(BWD_BLOCK, BWD_BLOCK, q, k, v, q_pos,
+                                                        k_pos, q_seg, k_seg)
+  out, dout = _pad_rows(out, pt), _pad_rows(dout, pt)
+  lse, dlse, delta = (_pad_rows(x, pt, axis=2) for x in (lse, dlse, delta))
+  kernel = backward_kernel(h, hv, k.shape[1], spec.interpret)
   if kernel == "mosaic":
     from ringflash.kernels import pallas_gpu_mosaic_bwd  # pylint: disable=g-import-not-at-top
     hp, hvp = mosaic_dim(h), mosaic_dim(hv)
@@ -296,6 +340,8 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
     dq, dk = dq[..., :h], dk[..., :h]
   if hvp != hv:
     dv = dv[..., :hv]
+  if dq.shape[1] != t or dk.shape[1] != s:
+    dq, dk, dv = dq[:, :t], dk[:, :s], dv[:, :s]
   if gamma is not None:                 # dq and dk came out times gamma; dv does not see it
     kh = k.shape[2]
     dq = dq / jnp.repeat(gamma, q.shape[2] // kh, axis=1)[:, None, :, None]

@@ -283,7 +283,12 @@ class RingPlan:
 
 
 def _tile_ranges(pos: np.ndarray, block: int):
-  """Smallest and largest position of each tile of `block` rows: [..., n / block] each."""
+  """Smallest and largest position of each tile of `block` rows: [..., ceil(n / block)]
+  each; a last tile of fewer rows where block does not divide n (the pallas_gpu backend pads
+  such a run with rows at its last position, kernels/pallas_gpu.py)."""
+  short = -pos.shape[-1] % block
+  if short:
+    pos = np.concatenate([pos, np.repeat(pos[..., -1:], short, axis=-1)], axis=-1)
   tiles = pos.reshape(pos.shape[:-1] + (pos.shape[-1] // block, block))
   return tiles.min(axis=-1), tiles.max(axis=-1)
 
@@ -317,16 +322,17 @@ def plan_ring(layout: str, ring_size: int, q_len: int, kv_len: int, block_q: int
   the kernels use to skip tiles, so the counts are the tiles the kernels compute (the xla
   kernel's exact per-tile mask can skip a few more for striped windows).
 
-  Lengths and tiles are checked once, at the public boundary (ringflash/_validate.py);
-  here they are asserted.
+  Lengths and tiles are checked once, at the public boundary (ringflash/_validate.py).
 
   Args:
     layout: "contiguous", "zigzag" or "striped".
     ring_size: P.
     q_len, kv_len: LOCAL query and key lengths per device.
-    block_q, block_k: tile sizes; block_q must divide q_len, block_k must divide kv_len
-      (kv_len / 2 when bidirectional). The public API also makes them divide the zigzag
-      chunks (q_len / 2, kv_len / 2), so that no tile straddles two chunks.
+    block_q, block_k: tile sizes, which divide q_len and kv_len (kv_len / 2 when
+      bidirectional) and the zigzag chunks (q_len / 2, kv_len / 2), so that no tile
+      straddles two chunks, except where the pallas_gpu backend pads a run the tiles do not
+      divide (ring_attention_sharded's local lengths): there a tile may straddle two chunks
+      and counts as the range of its real rows, which the kernel's range test also sees.
     causal: causal masking.
     window: None or (left, right).
     bidirectional: split K/V over two opposite lanes.
@@ -367,7 +373,6 @@ def plan_ring(layout: str, ring_size: int, q_len: int, kv_len: int, block_q: int
 def _tile_counts(layout, ring_size, q_len, kv_len, block_q, block_k, causal, window, parts,
                  group=1):
   piece = kv_len // parts
-  assert q_len % block_q == 0 and piece % block_k == 0, (q_len, block_q, piece, block_k)
   q_pos = layout_positions(layout, ring_size, q_len * ring_size, group)
   k_pos = layout_positions(layout, ring_size, kv_len * ring_size, group)
   q_lo, q_hi = _tile_ranges(q_pos, block_q)                           # [P, nq]

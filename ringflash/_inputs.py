@@ -40,8 +40,8 @@ from ringflash.kernels import base
 from ringflash.parallel import local
 from ringflash.parallel import plan
 
-PAD_Q = np.iinfo(np.int32).max
-PAD_K = np.iinfo(np.int32).min
+PAD_Q = base.PAD_Q
+PAD_K = base.PAD_K
 
 
 def _rows(x, lead, order=None):

@@ -168,6 +168,42 @@ def test_backward_kernels_interpret(causal, segs, n, kh, window, h, hv, softcap,
     assert float(jnp.abs(got[0][:, t - t // 8:]).max()) == 0.0
 
 
+@pytest.mark.parametrize("causal,segs,q_off", [(True, False, 10), (False, True, 0)])
+def test_backward_pads_lengths_the_tiles_do_not_divide(causal, segs, q_off):
+  """pallas_gpu.backward at T = 72, S = 100 (the Triton backward, interpreted): rows up to
+  whole tiles of 64 whose ids see nothing, and the padded rows' gradients cut off, so dq,
+  dk, dv have the inputs' rows and meet the oracle's (3x a dense bf16 implementation's
+  error); queries at positions q_off.. against keys 0..99 (causal: a query sees the keys up
+  to its position: keys 82..99 no query sees get zero dk, dv)."""
+  b, t, s, n, kh, h = 2, 72, 100, 4, 2, 64
+  q, k, v, do = _inputs(3, b, t, s, n, kh, h, h)
+  q_seg, kv_seg = _segments(b, t, s, with_empty=True) if segs else (None, None)
+  q_pos = jnp.arange(t, dtype=jnp.int32) + q_off
+  k_pos = jnp.arange(s, dtype=jnp.int32)
+  spec = base.KernelSpec(scale=h ** -0.5, causal=causal,
+                         tiles=ringflash.GpuBlockSizes(64, 64, 2), interpret=True)
+
+  def dense(upcast, q, k, v):
+    return oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg, q_pos=q_pos,
+                            kv_pos=k_pos, upcast=upcast)[0]
+
+  out, lse = oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg, q_pos=q_pos,
+                              kv_pos=k_pos)
+  got = pallas_gpu.backward(q, k, v, out.astype(q.dtype), lse, do, q_pos, k_pos, q_seg, kv_seg,
+                            spec)
+  _, vjp32 = jax.vjp(lambda *a: dense(True, *a), q, k, v)
+  want = vjp32(do.astype(jnp.float32))
+  _, vjp16 = jax.vjp(lambda *a: dense(False, *a), q, k, v)
+  plain = vjp16(do)
+  for name, g, w, p in zip(("dq", "dk", "dv"), got, want, plain):
+    assert g.dtype == jnp.float32 and g.shape == w.shape, name
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
+  if causal:                                      # keys past every query: zero dk, dv
+    assert float(jnp.abs(got[1][:, t + q_off:]).max()) == 0.0
+    assert float(jnp.abs(got[2][:, t + q_off:]).max()) == 0.0
+
+
 @pytest.mark.parametrize("row", [80, 20])
 def test_backward_interpret_nan_row_reaches_only_the_keys_it_sees(row):
   """The non-finite rule in the Triton backward (interpret, MLA pieces 128 + 64 / 128,
@@ -739,6 +775,81 @@ def test_mosaic_backward_matches_oracle(causal, segs, window, n, kh, h, t, s):
     assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
   if segs:  # rows with no valid key: zero dq
     assert float(jnp.abs(got[0][:, t - t // 8:]).max()) == 0.0
+
+
+# Local lengths no tile divides: the backend pads rows up to whole tiles (ids that see
+# nothing) and cuts them off. The forward's tiles: 128 query rows a CUDA block and block_k
+# keys (resolve_tiles: 64 where 128 would pad more); the backward's: 64 and 64.
+ODD_CASES = [
+    # causal, segs, window, h, t, s, q_off
+    (True, False, None, 128, 200, 1000, 800),     # queries at 800..999: the end of the keys
+    (False, True, None, 64, 333, 77, 0),          # rows with no valid key; T > S
+    (True, False, (50, 0), 80, 130, 1537, 1400),  # window; keys past every query; H padded
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal,segs,window,h,t,s,q_off", ODD_CASES)
+def test_backend_pads_lengths_no_tile_divides(causal, segs, window, h, t, s, q_off):
+  """pallas_gpu.forward and backward (as the ring calls them, resolve_tiles on the local
+  lengths) at lengths no tile divides, against the oracle: out and lse (2x a dense bf16
+  implementation's error; -inf exactly where the oracle's is), then dq, dk, dv from the
+  oracle's out and lse (3x), each with the inputs' rows."""
+  b, n, kh = (2 if segs else 1), 4, 2
+  q, k, v, do = helpers.inputs(5, b, t, s, n, kh, h, jnp.bfloat16)
+  q_seg, kv_seg = _segments(b, t, s, with_empty=True) if segs else (None, None)
+  q_pos = jnp.arange(t, dtype=jnp.int32) + q_off
+  k_pos = jnp.arange(s, dtype=jnp.int32)
+  tiles = pallas_gpu.resolve_tiles(None, _problem(t, s, h, kh, n // kh))
+  spec = base.KernelSpec(scale=h ** -0.5, causal=causal, tiles=tiles, window=window)
+
+  def dense(upcast, q, k, v):
+    return oracle.attention(q, k, v, causal=causal, q_seg=q_seg, kv_seg=kv_seg, q_pos=q_pos,
+                            kv_pos=k_pos, upcast=upcast, window=window)
+
+  out, lse = jax.jit(lambda *a: pallas_gpu.forward(*a, spec))(q, k, v, q_pos, k_pos, q_seg,
+                                                              kv_seg)
+  want, want_lse = jax.jit(lambda *a: dense(True, *a))(q, k, v)
+  plain = jax.jit(lambda *a: dense(False, *a)[0])(q, k, v)
+  assert out.shape == (b, t, n, h) and lse.shape == (b, n, t)
+  assert _max_err(out, want) <= 2 * _max_err(plain, want)
+  finite = jnp.isfinite(want_lse)
+  assert bool(jnp.all(jnp.isfinite(lse) == finite))
+  assert float(jnp.max(jnp.where(finite, jnp.abs(lse - want_lse), 0.0))) < 2e-2
+  got = jax.jit(lambda *a: pallas_gpu.backward(*a, spec))(
+      q, k, v, want.astype(q.dtype), want_lse, do, q_pos, k_pos, q_seg, kv_seg)
+  want_g, plain_g = _dense_grads(lambda upcast, *a: dense(upcast, *a)[0], q, k, v, do)
+  for name, g, w, p in zip(("dq", "dk", "dv"), got, want_g, plain_g):
+    assert g.shape == w.shape, name
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
+
+
+@needs_hopper
+def test_decode_on_a_cache_shard_no_tile_divides():
+  """decode_attention on one GPU with a cache of 1000 slots (no key tile of 64 or 128
+  divides it), t = 3 new tokens of rows of lengths 3, 700 and 1000, a window: within twice
+  a dense bf16 implementation's error of the oracle, out and lse."""
+  b, t, s, n, kh, h = 3, 3, 1000, 4, 2, 64
+  q, k, v, _ = helpers.inputs(9, b, t, s, n, kh, h, jnp.bfloat16)
+  lengths = jnp.array([3, 700, 1000], jnp.int32)
+  mesh = _mesh()
+  seq = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sp"))
+  out, lse = jax.jit(lambda q, k, v: ringflash.decode_attention(
+      q, k, v, cache_lengths=lengths, mesh=mesh, backend="pallas_gpu", local_window_size=100,
+      return_residual=True))(q, jax.device_put(k, seq), jax.device_put(v, seq))
+
+  def dense(upcast):
+    rows = [oracle.attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], causal=True, window=100,
+                             q_pos=jnp.arange(m - t, m), upcast=upcast)
+            for r, m in enumerate(np.asarray(lengths))]
+    return jnp.concatenate([o for o, _ in rows]), jnp.concatenate([x for _, x in rows])
+
+  want, want_lse = dense(True)
+  plain, _ = dense(False)
+  assert out.shape == (b, t, n, h)
+  assert _max_err(out, want) <= 2 * _max_err(plain, want)
+  assert float(jnp.max(jnp.abs(lse - want_lse))) < 2e-2
 
 
 @needs_hopper

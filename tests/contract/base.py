@@ -998,6 +998,55 @@ class ContractTests:
       else:
         assert helpers.max_err(g, w) <= 3 * helpers.max_err(p, w)
 
+  @pytest.mark.parametrize("layout,window", [("contiguous", None), ("zigzag", (40, 0)),
+                                             ("striped", None)])
+  def test_sharded_entry_at_local_lengths_no_tile_divides(self, layout, window):
+    """ring_attention_sharded takes the local shards as they are: at a local length that
+    no tile of the backend divides (1.5 UNIT + 4 rows a device: 28 or 388, zigzag chunks of
+    14 or 194), causal, the kernels pad inside (pallas_gpu: rows up to whole tiles whose ids
+    see nothing) or tile it as it is, and out, lse and the gradients meet the oracle on
+    natural order. The ring of 4 (as many GPUs as there are on the GPU)."""
+    self.require("ring", "layouts", *(("window",) if window else ()))
+    case = self.adapt(RingCase("odd", 4))
+    p = case.ring_size
+    local_len = self.UNIT + self.UNIT // 2 + 4
+    n_tok = local_len * p
+    q, k, v, dout = helpers.inputs(11 + p, 1, n_tok, n_tok, N, 2, self.HEAD_DIM, self.DTYPE)
+    mesh = self.mesh(p)
+    unit = local_len // 2 if layout == "zigzag" else local_len     # what tiles must divide
+
+    def local(q, k, v):
+      return ringflash.ring_attention_sharded(
+          q, k, v, axis_name="sp", is_causal=True, return_residual=True,
+          backend=self.BACKEND, layout=layout, local_window_size=window,
+          block_sizes=self.block_sizes(unit, unit))
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
+                       out_specs=(P(None, "sp"), P(None, None, "sp")),
+                       check_vma=self.SHARD_MAP_CHECK_VMA)
+
+    def to(x):
+      return ringflash.to_layout(x, layout, p)
+
+    @jax.jit
+    def ours(q, k, v, dout):
+      (out, lse), vjp = jax.vjp(fn, to(q), to(k), to(v))
+      grads = vjp((to(dout).astype(out.dtype), jnp.zeros_like(lse)))
+      back = functools.partial(ringflash.from_layout, layout=layout, ring_size=p)
+      return (back(out), back(lse, axis=-1)) + tuple(back(g) for g in grads)
+
+    def dense(upcast):
+      @jax.jit
+      def run(q, k, v, dout):
+        (out, lse), vjp = jax.vjp(lambda *a: oracle.attention(
+            *a, causal=True, window=window, upcast=upcast), q, k, v)
+        return (out, lse) + vjp((dout.astype(out.dtype), jnp.zeros_like(lse)))
+      return run(q, k, v, dout)
+
+    got = ours(q, k, v, dout)
+    assert got[0].shape == (1, n_tok, N, self.HEAD_DIM) and got[1].shape == (1, N, n_tok)
+    self.check(got, dense(True), dense(False))
+
   @pytest.mark.parametrize("extra", ["segments", "segments-sinks-lengths", "query-lengths"])
   def test_sharded_entry_inside_callers_shard_map(self, extra):
     """ring_attention_sharded in the caller's own shard_map (check_vma as the backend
