@@ -131,6 +131,20 @@ INTERPRET_CASES = [
 ]
 
 
+def _check_kernel_grads(got, dense, q, k, v, do):
+  """A backward kernel's float32 (dq, dk, dv) against the oracle's (dense(True, q, k, v)):
+  finite, the inputs' shapes, within 3x a dense bf16 implementation's error
+  (dense(False, ...))."""
+  _, vjp32 = jax.vjp(lambda *a: dense(True, *a), q, k, v)
+  want = vjp32(do.astype(jnp.float32))
+  _, vjp16 = jax.vjp(lambda *a: dense(False, *a), q, k, v)
+  plain = vjp16(do)
+  for name, g, w, p in zip(("dq", "dk", "dv"), got, want, plain):
+    assert g.dtype == jnp.float32 and g.shape == w.shape, name
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
+
+
 @pytest.mark.parametrize("causal,segs,n,kh,window,h,hv,softcap,path", INTERPRET_CASES)
 def test_backward_kernels_interpret(causal, segs, n, kh, window, h, hv, softcap, path):
   """The Triton backward kernels in interpret mode, from the oracle's out and lse: called
@@ -156,14 +170,7 @@ def test_backward_kernels_interpret(causal, segs, n, kh, window, h, hv, softcap,
   else:
     kernel = functools.partial(pallas_gpu_triton_bwd.backward, keys_major=path)
   got = kernel(q, k, v, out.astype(q.dtype), lse, do, pos, pos, q_seg, kv_seg, spec)
-  _, vjp32 = jax.vjp(lambda *a: dense(True, *a), q, k, v)
-  want = vjp32(do.astype(jnp.float32))
-  _, vjp16 = jax.vjp(lambda *a: dense(False, *a), q, k, v)
-  plain = vjp16(do)
-  for name, g, w, p in zip(("dq", "dk", "dv"), got, want, plain):
-    assert g.dtype == jnp.float32 and g.shape == w.shape, name
-    assert bool(jnp.all(jnp.isfinite(g))), name
-    assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
+  _check_kernel_grads(got, dense, q, k, v, do)
   if segs:  # rows with no valid key: zero dq
     assert float(jnp.abs(got[0][:, t - t // 8:]).max()) == 0.0
 
@@ -191,14 +198,7 @@ def test_backward_pads_lengths_the_tiles_do_not_divide(causal, segs, q_off):
                               kv_pos=k_pos)
   got = pallas_gpu.backward(q, k, v, out.astype(q.dtype), lse, do, q_pos, k_pos, q_seg, kv_seg,
                             spec)
-  _, vjp32 = jax.vjp(lambda *a: dense(True, *a), q, k, v)
-  want = vjp32(do.astype(jnp.float32))
-  _, vjp16 = jax.vjp(lambda *a: dense(False, *a), q, k, v)
-  plain = vjp16(do)
-  for name, g, w, p in zip(("dq", "dk", "dv"), got, want, plain):
-    assert g.dtype == jnp.float32 and g.shape == w.shape, name
-    assert bool(jnp.all(jnp.isfinite(g))), name
-    assert _max_err(g, w) <= 3 * _max_err(p, w), (name, _max_err(g, w), _max_err(p, w))
+  _check_kernel_grads(got, dense, q, k, v, do)
   if causal:                                      # keys past every query: zero dk, dv
     assert float(jnp.abs(got[1][:, t + q_off:]).max()) == 0.0
     assert float(jnp.abs(got[2][:, t + q_off:]).max()) == 0.0
