@@ -1005,7 +1005,8 @@ class ContractTests:
     no tile of the backend divides (1.5 UNIT + 4 rows a device: 28 or 388, zigzag chunks of
     14 or 194), causal, the kernels pad inside (pallas_gpu: rows up to whole tiles whose ids
     see nothing) or tile it as it is, and out, lse and the gradients meet the oracle on
-    natural order. The ring of 4 (as many GPUs as there are on the GPU)."""
+    natural order; a NaN key reaches the rows that see it and no other. The ring of 4 (as
+    many GPUs as there are on the GPU)."""
     self.require("ring", "layouts", *(("window",) if window else ()))
     case = self.adapt(RingCase("odd", 4))
     p = case.ring_size
@@ -1046,6 +1047,18 @@ class ContractTests:
     got = ours(q, k, v, dout)
     assert got[0].shape == (1, n_tok, N, self.HEAD_DIM) and got[1].shape == (1, N, n_tok)
     self.check(got, dense(True), dense(False))
+    # A NaN key at natural position local_len - 1 (device 0's last row, beside its padding
+    # where the layout is contiguous): the rows that see it (causal, within the window) come
+    # out NaN; the others, out and dq, as without it.
+    j = local_len - 1
+    out_n, _, dq_n, _, _ = ours(q, k.at[:, j].set(jnp.nan), v, dout)
+    rows = np.arange(n_tok)
+    sees = (rows >= j) & (rows - j <= (window[0] if window else n_tok))
+    assert np.all(np.isnan(np.asarray(out_n, np.float32)[0, sees])), "a seen NaN was lost"
+    for name, g, clean in (("out", out_n, got[0]), ("dq", dq_n, got[2])):
+      g, clean = (np.asarray(x, np.float32)[0, ~sees] for x in (g, clean))
+      assert np.all(np.isfinite(g)), f"{name}: NaN reached rows that do not see it"
+      np.testing.assert_allclose(g, clean, rtol=1e-5, atol=1e-5, err_msg=name)
 
   @pytest.mark.parametrize("extra", ["segments", "segments-sinks-lengths", "query-lengths"])
   def test_sharded_entry_inside_callers_shard_map(self, extra):
