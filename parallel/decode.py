@@ -63,7 +63,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from ringflash.kernels import base
@@ -75,11 +74,11 @@ from ringflash.parallel.merge import merge
 # enough that no mask difference of positions leaves int32.
 EMPTY = 2**30
 # Segment ids: a key a query sees has VISIBLE; one it does not see INVISIBLE_K; a padding
-# query row PAD_Q (sees nothing). The same extremes as ringflash/_inputs.py's padding ids, so
-# the kernels' range test skips a tile of unseen keys.
+# query row PAD_Q (sees nothing). The padding ids of kernels/base.py, so the kernels' range
+# test skips a tile of unseen keys.
 VISIBLE = 0
-INVISIBLE_K = int(np.iinfo(np.int32).min)
-PAD_Q = int(np.iinfo(np.int32).max)
+INVISIBLE_K = base.PAD_K
+PAD_Q = base.PAD_Q
 STRATEGIES = ("reduce", "allgather", "ring")
 
 

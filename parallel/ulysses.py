@@ -9,8 +9,9 @@ head n uses kv head n // 4). It attends those heads over the whole sequence in o
 call (parallel.local.attend), and a second all-to-all returns positions 512..767 of all 16
 heads. lse [B, N, T] goes back the same way. With the zigzag or striped layout the gathered
 rows are in layout order; they are put in natural order before the kernel and back after
-it (parallel.plan.to_natural: static slices and reshapes, a copy of O(T N H / P)), so that each query tile's
-keys are one contiguous range and a causal kernel skips every tile past the diagonal.
+it (parallel.plan.to_natural: static slices and reshapes, a copy of O(T N H / P)), so
+that each query tile's keys are one contiguous range and a causal kernel skips every tile
+past the diagonal.
 
 Fewer kv heads than devices (K < P, P % K == 0): each kv head is repeated P / K times before
 the all-to-all, so that each device receives the one its query heads use. K = 1, P = 4: kv

@@ -12,13 +12,13 @@ masks as positions plus segment ids. This module maps one onto the other:
   layout of the padded length, whose positions past the user's length are the padding, and
   the output gathered back into the user's order (ringflash.to_layout's for that length);
 - lengths and padding become segment ids (padding alone not where a causal mask hides it:
-  _validate.padding_needs_ids): a query row at or past its length gets the id
-  PAD_Q and a key at or past it PAD_K; no real id equals either, so such a key is never seen
-  and such a row sees nothing (output 0, lse -inf). Example, T = 6, length 4, no segment ids:
-  query ids 0 0 0 0 PAD_Q PAD_Q, key ids 0 0 0 0 PAD_K PAD_K. PAD_Q is the largest int32 and
-  PAD_K the smallest, so the kernels' range test (base.block_may_have_work) skips a whole
-  tile or ring hop of padding: [PAD_K, PAD_K] meets no query range, [PAD_Q, PAD_Q] no key
-  range;
+  _validate.padding_needs_ids): a query row at or past its length gets the id PAD_Q and a
+  key at or past it PAD_K (kernels/base.py); no real id equals either, so such a key is
+  never seen and such a row sees nothing (output 0, lse -inf). Example, T = 6, length 4, no
+  segment ids: query ids 0 0 0 0 PAD_Q PAD_Q, key ids 0 0 0 0 PAD_K PAD_K. PAD_Q is the
+  largest int32 and PAD_K the smallest, so the kernels' range test
+  (base.block_may_have_work) skips a whole tile or ring hop of padding: [PAD_K, PAD_K]
+  meets no query range, [PAD_Q, PAD_Q] no key range;
 - sinks join each row's softmax once, after the strategy: lse' = logaddexp(lse, sink) and
   out' = out * exp(lse - lse'), rows without a key staying 0 with lse -inf. Its derivative
   is written out (_sink_rescale) so that a zero cotangent carries nothing back, also through
@@ -39,9 +39,6 @@ from ringflash import _validate
 from ringflash.kernels import base
 from ringflash.parallel import local
 from ringflash.parallel import plan
-
-PAD_Q = base.PAD_Q
-PAD_K = base.PAD_K
 
 
 def _rows(x, lead, order=None):
@@ -235,8 +232,8 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
     k_ok = k_ok & (k_pos[None, :] < kv_len[:, None])
   # Inside a caller's shard_map, ids made from replicated lengths alone vary over no mesh
   # axis: typed like the rows they mask, so that the ring can carry them with K and V.
-  return (q, k, v, base.match_vma(jnp.where(q_ok, q_ids, PAD_Q).astype(jnp.int32), q),
-          base.match_vma(jnp.where(k_ok, kv_ids, PAD_K).astype(jnp.int32), k))
+  return (q, k, v, base.match_vma(jnp.where(q_ok, q_ids, base.PAD_Q).astype(jnp.int32), q),
+          base.match_vma(jnp.where(k_ok, kv_ids, base.PAD_K).astype(jnp.int32), k))
 
 
 def add_sinks(out, lse, sinks):

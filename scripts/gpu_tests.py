@@ -18,7 +18,8 @@ e.g. `python3 scripts/gpu_tests.py contract/test_pallas_gpu.py -m "slow or not s
 (paths relative to tests/). It collects the selected case ids once, deals them round-robin
 to N processes (default: a third of the cores, at least 1), waits, prints each process's
 summary line and the failures' lines (for a process past --timeout, what its result lines
-say; --logs DIR keeps each process's whole log), then the ids of the cases that processes past --timeout did not finish (to pass as the selection of the next call), and exits 1 if any
+say; --logs DIR keeps each process's whole log), then the ids of the cases that processes
+past --timeout did not finish (to pass as the selection of the next call), and exits 1 if any
 process failed or ran past --timeout. docs/GPU_NOTES.md (run 37) has what the same dealing
 printed for the contract file.
 """
