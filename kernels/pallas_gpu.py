@@ -6,8 +6,8 @@ Four kernels, one module each, sharing kernels/pallas_gpu_common.py (tile plan, 
                                          Hv of 64 or 128 (after padding);
   kernels/pallas_gpu_mosaic_bwd_wide.py  the same for the other head dims up to 256, its two
                                          compute warpgroups split by role;
-  kernels/pallas_gpu_triton_bwd.py       a Pallas Triton backward for key lengths that are
-                                         not a multiple of 128 (and the CPU interpreter).
+  kernels/pallas_gpu_triton_bwd.py       a Pallas Triton backward for head dims the Mosaic
+                                         backwards would pad more (and the CPU interpreter).
 This module says what the backend runs (`unsupported`), resolves its tiles and dispatches.
 
 Head dims. The Mosaic GPU kernels store Q, K, V and dO tiles as 64-column swizzle tiles
@@ -30,13 +30,13 @@ Which kernel takes which (H, Hv), each dim padded on its own:
     for them alone). The other pairs up to 256 / 256, e.g. 192/128, 256/256, 224/128 ->
     256/128, go to the wide Mosaic kernel, whose warpgroups keep one of dK and dV each
     (64 x 256 fp32 is 128 registers a thread), where its padding adds no more columns than
-    the Triton backward's; the Triton backward takes the rest (160/72), key lengths that
-    are not a multiple of 128 and interpret mode, each dim as one or two power-of-two
-    column pieces (triton_dims: 192 -> 128 + 64, 160 -> 128 + 32, 72 -> 64 + 16, padded to
-    80). Measured on the H200 (T = 16k, N = K = 16, the backward alone, docs/GPU_NOTES.md
-    run 105): the wide kernel takes 12.5 ms causal at 256 / 256 (the Triton one 29.8),
-    9.8 ms at MLA's 192 / 128 (Triton 14.0), against 5.3 ms for the fused one at 128 / 128
-    (run 88).
+    the Triton backward's; the Triton backward takes the rest (160/72) and interpret mode,
+    each dim as one or two power-of-two column pieces (triton_dims: 192 -> 128 + 64,
+    160 -> 128 + 32, 72 -> 64 + 16, padded to 80). Key lengths that are not a multiple of
+    128 are padded to one for the Mosaic backwards (_backward_key_rows). Measured on the
+    H200 (T = 16k, N = K = 16, the backward alone, docs/GPU_NOTES.md run 105): the wide
+    kernel takes 12.5 ms causal at 256 / 256 (the Triton one 29.8), 9.8 ms at MLA's
+    192 / 128 (Triton 14.0), against 5.3 ms for the fused one at 128 / 128 (run 88).
 
 Soft-cap (spec.softcap): a static branch in all three kernels (each module's docstring has
 the details): the forward replaces the raw scores s by t = tanh(scale s / cap) and runs its
@@ -109,7 +109,8 @@ def backward_kernel(head_dim: int, value_dim: int, kv_len: int, interpret: bool)
   dims both 64 or 128), "wide" (kernels/pallas_gpu_mosaic_bwd_wide.py, the other dims, where
   its padding to multiples of 64 adds no more columns than the Triton backward's pieces)
   or "triton" (kernels/pallas_gpu_triton_bwd.py: the rest, key lengths that are not a
-  multiple of 2 * BWD_BLOCK, and interpret mode).
+  multiple of 2 * BWD_BLOCK, and interpret mode). `backward` pads the keys to such a multiple
+  where that lets a Mosaic kernel run (_backward_key_rows).
 
   On the H200 (T = 16k, N = K = 16, the backward alone, docs/GPU_NOTES.md run 105) the wide
   kernel took 0.40x the Triton one's time at 256 / 256 and 0.70x at 192 / 128 (the same
@@ -189,8 +190,11 @@ def resolve_tiles(given: GpuBlockSizes | None, problem: base.Problem) -> GpuBloc
   tiles of block_k rows, at the padded head dims Hp and Hvp (mosaic_dim). The default
   block_k is 128 where the [64, Hvp] fp32 accumulator and the [64, 128] scores fit the
   registers beside each other (Hvp <= 128) and Hp <= 192 (at H = 192, Hv = 128:
-  Q 48 KiB + K 96 KiB + V 64 KiB = 208 KiB of 227) and where it pads the keys no more than
-  64 would; else 64. Lengths the tiles do not divide are padded per call (_fit_rows).
+  Q 48 KiB + K 96 KiB + V 64 KiB = 208 KiB of 227), else 64. Lengths the tiles do not divide
+  are padded per call (_fit_rows), also where 128 pads 64 keys more than 64 would: on the
+  H100 (N = K = 16, H = 128, docs/GPU_NOTES.md run 176) block_k = 128 took the forward
+  1.05-1.22x as fast as 64 at T = S = 4000 and 16320 (run 175, at lengths 1024-16384: 1.00-
+  1.23x from 2048 on, 0.96-1.02x at 1024).
 
   Raises:
     ValueError: naming block_sizes, when the tiles do not fit Hopper's shared memory.
@@ -201,9 +205,7 @@ def resolve_tiles(given: GpuBlockSizes | None, problem: base.Problem) -> GpuBloc
   if given.block_k is not None:
     bk = given.block_k
   else:
-    # 128 where the registers allow it and it pads the keys no more than 64 would
-    bk = (128 if hv <= 128 and h <= 192
-          and _round_up(problem.kv_len, 128) == _round_up(problem.kv_len, 64) else 64)
+    bk = 128 if hv <= 128 and h <= 192 else 64       # where the registers allow it
   stages = 2 if given.stages is None else given.stages
   itemsize = jnp.dtype(problem.dtype).itemsize
   smem = common.forward_smem_bytes(h, hv, bq, bk, stages, itemsize)
@@ -297,15 +299,27 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   return base.match_vma(o, *refs), base.match_vma(lse, *refs)
 
 
+def _backward_key_rows(h: int, hv: int, s: int, interpret: bool) -> int:
+  """The multiple the backward pads its keys to: 2 * BWD_BLOCK where a Mosaic backward
+  (backward_kernel) runs at that length, else BWD_BLOCK (the Triton backward's tile). On the
+  H100 (N = K = 16, S = 4000 and 16320, docs/GPU_NOTES.md run 176) the Mosaic backward on
+  keys padded to 128 took the backward 1.24-1.38x as fast as the Triton one on keys padded
+  to 64, at 128 / 128 and 192 / 128 (1.00x at S = 4000 causal)."""
+  if backward_kernel(h, hv, _round_up(s, 2 * BWD_BLOCK), interpret) != "triton":
+    return 2 * BWD_BLOCK
+  return BWD_BLOCK
+
+
 def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
              dlse=None):
   """Block-pair backward from the global out and lse; see kernels/base.py for the contract.
 
   One of three kernels (backward_kernel): the fused Mosaic backward (H and Hv padded to 64
-  or 128), the wide one (most other head dims), both on a GPU with the key length a
-  multiple of 2 * BWD_BLOCK, else the Triton backward (interpreted on CPU). Each pads q, k to its
-  head dim (mosaic_dim of H, or the sum of its triton_dims pieces) and v, out, dout to that
-  of Hv, in static branches, and dq, dk, dv are cut back to H, H, Hv.
+  or 128), the wide one (most other head dims), both on a GPU, else the Triton backward
+  (interpreted on CPU). Keys are padded to a multiple of 2 * BWD_BLOCK for the Mosaic ones
+  (_backward_key_rows), queries to BWD_BLOCK. Each pads q, k to its head dim (mosaic_dim of
+  H, or the sum of its triton_dims pieces) and v, out, dout to that of Hv, in static
+  branches, and dq, dk, dv are cut back to H, H, Hv.
   """
   h, hv = q.shape[-1], v.shape[-1]
   t, s = q.shape[1], k.shape[1]
@@ -313,8 +327,9 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   if q.dtype == jnp.float16:                    # a static branch: bfloat16 is untouched
     gamma, v, delta = _float16_ds_range(v, out, dout, dlse, spec.scale)
   # rows up to whole tiles (a static branch), the padded rows' gradients cut off after
-  (q, k, v, q_pos, k_pos, q_seg, k_seg), pt = _fit_rows(BWD_BLOCK, BWD_BLOCK, q, k, v, q_pos,
-                                                        k_pos, q_seg, k_seg)
+  (q, k, v, q_pos, k_pos, q_seg, k_seg), pt = _fit_rows(
+      BWD_BLOCK, _backward_key_rows(h, hv, s, spec.interpret), q, k, v, q_pos, k_pos, q_seg,
+      k_seg)
   out, dout = _pad_rows(out, pt), _pad_rows(dout, pt)
   lse, dlse, delta = (_pad_rows(x, pt, axis=2) for x in (lse, dlse, delta))
   kernel = backward_kernel(h, hv, k.shape[1], spec.interpret)

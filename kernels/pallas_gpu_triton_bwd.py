@@ -1,8 +1,8 @@
 """The Triton backward of the pallas_gpu backend: two Pallas Triton kernels (dq; dk and dv).
 
 Used where the fused Mosaic GPU backward (kernels/pallas_gpu_mosaic_bwd.py) does not apply:
-a head dim H or Hv above 128 (e.g. 256, or MLA's 192 / 128), key lengths that are not a
-multiple of 128, and interpret mode on CPU.
+head dims that the Mosaic backwards would pad more than it (kernels/pallas_gpu.py's
+backward_kernel: 160 / 72, 136 / 136), and interpret mode on CPU.
 
 From the GLOBAL out and lse (kernels/base.py): p = exp(s - lse) is the final probability of
 each pair, evaluated as 2^(s log2(e) - lse log2(e)) with log2(e) folded into the scale (one

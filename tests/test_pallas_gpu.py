@@ -354,6 +354,11 @@ LOWER_CASES = [
     ("backward", False, False, (40, 20), 4, 1, 192, 128, 256, None),
     ("backward", True, False, None, 2, 2, 176, 120, 256, 5.0),
     ("backward", False, True, None, 2, 1, 64, 256, 256, None),
+    # lengths no tile divides: the forward's keys padded to its 128-key tiles, the
+    # backward's to 128 for the fused and the wide kernels (not 64 for the Triton one)
+    ("forward", False, True, None, 4, 2, 128, 128, 200, None),
+    ("backward", True, False, None, 4, 2, 128, 128, 320, None),
+    ("backward", False, True, (40, 20), 4, 1, 192, 128, 320, 30.0),
 ]
 
 
@@ -422,8 +427,10 @@ def _kernel_fn(which, causal, segs, window, n, kh, h, hv, t, softcap, dtype=jnp.
 @pytest.mark.parametrize("which,causal,segs,window,n,kh,h,hv,t,softcap", LOWER_CASES)
 def test_mosaic_kernels_lower_for_cuda(which, causal, segs, window, n, kh, h, hv, t, softcap,
                                        in_ring):
-  if which == "backward":
-    assert pallas_gpu.backward_kernel(h, hv, t, interpret=False) in ("mosaic", "wide")
+  if which == "backward":             # at the key length the backward pads to
+    rows = pallas_gpu._backward_key_rows(h, hv, t, interpret=False)
+    assert pallas_gpu.backward_kernel(h, hv, -(-t // rows) * rows, interpret=False) in (
+        "mosaic", "wide")
   fn, args, seq_dims, out_dims = _kernel_fn(which, causal, segs, window, n, kh, h, hv, t,
                                             softcap)
   if in_ring:
@@ -461,10 +468,11 @@ def _abstract_h200():
 
 
 TRITON_LOWER_CASES = [
-    # which, causal, segs, window, n, kh, h, hv, t, softcap (t not a multiple of 128)
-    ("backward", True, False, None, 4, 1, 192, 128, 320, None),      # MLA: 128 + 64 / 128
-    ("backward", False, True, None, 4, 2, 192, 128, 320, 30.0),
-    ("backward", True, False, (40, 0), 2, 2, 256, 256, 320, 5.0),
+    # which, causal, segs, window, n, kh, h, hv, t, softcap: head dims the Mosaic kernels
+    # would pad more (t not a multiple of 128 either)
+    ("backward", True, False, None, 4, 1, 136, 136, 320, None),       # 128 + 16 / 128 + 16
+    ("backward", False, True, None, 4, 2, 136, 136, 320, 30.0),
+    ("backward", True, False, (40, 0), 2, 2, 160, 72, 320, 5.0),
     ("backward", True, False, None, 2, 1, 160, 72, 320, None),        # 128 + 32 / 64 + 16
 ]
 
@@ -472,12 +480,13 @@ TRITON_LOWER_CASES = [
 @pytest.mark.parametrize("which,causal,segs,window,n,kh,h,hv,t,softcap", TRITON_LOWER_CASES)
 def test_triton_backward_lowers_for_cuda(which, causal, segs, window, n, kh, h, hv, t,
                                          softcap):
-  """The backward of key lengths the Mosaic kernels do not take: Pallas -> Triton for CUDA
-  (power-of-two column pieces), alone and inside shard_map; its exponentials are ex2 (no
-  libdevice expf) and soft-cap's tanh the MUFU's tanh.approx.f32, as the forward's, not
-  libdevice's accurate tanhf (on the H200, 1.15-1.23x the soft-capped backward:
-  docs/GPU_NOTES.md run 99)."""
-  assert pallas_gpu.backward_kernel(h, hv, t, interpret=False) == "triton"
+  """The backward of head dims the Mosaic kernels would pad more: Pallas -> Triton for CUDA
+  (power-of-two column pieces), alone and inside shard_map, its keys padded to its tile;
+  its exponentials are ex2 (no libdevice expf) and soft-cap's tanh the MUFU's
+  tanh.approx.f32, as the forward's, not libdevice's accurate tanhf (on the H200, 1.15-1.23x
+  the soft-capped backward: docs/GPU_NOTES.md run 99)."""
+  assert pallas_gpu.backward_kernel(h, hv, 384, interpret=False) == "triton"
+  assert pallas_gpu._backward_key_rows(h, hv, t, interpret=False) == pallas_gpu.BWD_BLOCK
   mesh = _abstract_h200()
   if mesh is None:
     pytest.skip("needs jax.sharding.AbstractDevice to lower Pallas Triton without a GPU")
@@ -615,6 +624,25 @@ def test_which_kernel_takes_which_head_dims(h, hv, block_k, kernel, dims, triton
   assert pallas_gpu.triton_config(hp, hvp) == (((4, 4), (2, 2)) if triton is None else triton)
   # the dk, dv kernel's tiles keys first except at 256 / 256 (8 warps: transposed)
   assert pallas_gpu.triton_keys_major(hp, hvp) == ((h, hv) != (256, 256))
+
+
+@pytest.mark.parametrize("h,hv,s,interpret,block_k,key_rows", [
+    (128, 128, 1537, False, 128, 128),   # both pad 63 keys more than tiles of 64 would
+    (80, 80, 4032, False, 128, 128),     # 64 divides it, 128 does not
+    (192, 128, 320, False, 128, 128),    # the wide backward
+    (160, 72, 320, False, 128, 64),      # the Triton backward's tile
+    (136, 136, 700, False, 64, 64),      # Hv padded to 192: the forward's tile of 64
+    (128, 128, 320, True, 128, 64),      # interpreted: the Triton backward
+])
+def test_lengths_no_tile_divides_take_the_faster_tiles(h, hv, s, interpret, block_k,
+                                                       key_rows):
+  """At key lengths no tile divides, the forward keeps its 128-key tiles and the backward
+  pads the keys to 128 where that lets a Mosaic backward run, although each pads up to 64
+  keys more than tiles of 64 would: on the H100 the forward's 128-key tiles ran 1.05-1.22x
+  as fast as 64-key ones, and the Mosaic backward 1.24-1.38x the Triton one (1.00x at S =
+  4000 causal; S = 4000 and 16320: docs/GPU_NOTES.md run 176)."""
+  assert pallas_gpu.resolve_tiles(None, _problem(s, s, h, 2, 2, hv=hv)).block_k == block_k
+  assert pallas_gpu._backward_key_rows(h, hv, s, interpret) == key_rows
 
 
 @pytest.mark.parametrize("d,pieces", [
@@ -779,12 +807,14 @@ def test_mosaic_backward_matches_oracle(causal, segs, window, n, kh, h, t, s):
 
 # Local lengths no tile divides: the backend pads rows up to whole tiles (ids that see
 # nothing) and cuts them off. The forward's tiles: 128 query rows a CUDA block and block_k
-# keys (resolve_tiles: 64 where 128 would pad more); the backward's: 64 and 64.
+# keys (resolve_tiles: 128, 64 above H 192); the backward's: 64 query rows and 128 keys (64
+# where the Triton backward runs: H = 136).
 ODD_CASES = [
     # causal, segs, window, h, t, s, q_off
     (True, False, None, 128, 200, 1000, 800),     # queries at 800..999: the end of the keys
     (False, True, None, 64, 333, 77, 0),          # rows with no valid key; T > S
     (True, False, (50, 0), 80, 130, 1537, 1400),  # window; keys past every query; H padded
+    (False, True, (30, 30), 136, 150, 700, 0),    # block_k 64, the Triton backward
 ]
 
 
@@ -869,8 +899,8 @@ BWD_VOCAB_CASES = [
     (True, True, 4, 2, 160, 72, None, 512),    # Triton at 128 + 32 / 64 + 16 (72 padded)
     (True, True, 4, 2, 256, 256, 30.0, 512),   # wide, soft-cap, rows with no valid key
     (False, False, 2, 1, 64, 256, None, 256),  # wide, Hv > H
-    (True, False, 2, 1, 80, 48, 3.0, 576),     # Triton (keys not a multiple of 128): 64 + 16
-    (False, True, 2, 2, 192, 128, None, 576),  # Triton at 128 + 64 / 128
+    (True, False, 2, 1, 80, 48, 3.0, 576),     # keys padded to 640: fused, at 128 / 64
+    (False, True, 2, 2, 192, 128, None, 576),  # keys padded to 640: the wide kernel
 ]
 
 
