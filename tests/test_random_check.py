@@ -36,6 +36,14 @@ HYBRID = dataclasses.replace(API, strategy="hybrid", axes=2, lse_grad=True, pois
 DECODE = dataclasses.replace(API, kind="decode", strategy="reduce", layout="contiguous", t=3,
                              s=512, window=None, segments=False, path="positions", seed=5)
 CACHE = dataclasses.replace(DECODE, layout="striped", window=(40, 5), path="cache", seed=2)
+# float16 on one device, a query scaled 12x whose softmax is nearly one-hot (p = 0.9998 on
+# its own key): dp - D cancels there, and D's part from the output as stored in float16 is
+# most of dk (seed 58003's case; the reference gradients are the contract's).
+ONE_HOT = random_check.Case(
+    kind="api", ring_size=1, strategy="ring", layout="contiguous", bidirectional=False, h=8,
+    hv=8, t=8, s=8, n=1, kh=1, lead=(1,), dtype="float16", causal=True, window=None,
+    segments=True, lengths=False, sinks=False, softcap=None, q_scale=12.0, scale=None,
+    poison=None, poison_value=math.nan, seed=900445832)
 
 
 def _checker():
@@ -74,10 +82,11 @@ def test_only_ringflash_refuses_a_case(monkeypatch, capsys):
                                   dataclasses.replace(API, entry="ring_attention_sharded"),
                                   dataclasses.replace(DECODE, poison="v", dtype="bfloat16"),
                                   dataclasses.replace(API, tiles=(4, 4, 4, 8)),
-                                  dataclasses.replace(HOP, tiles=(8, 32, 16, 64))],
+                                  dataclasses.replace(HOP, tiles=(8, 32, 16, 64)),
+                                  ONE_HOT],
                          ids=["api", "hop", "k-nan", "v-inf-bf16", "hybrid-lse", "decode",
                               "cache", "sharded", "decode-v-nan-bf16", "api-tiles",
-                              "hop-tiles"])
+                              "hop-tiles", "f16-one-hot"])
 def test_a_right_case_passes(case):
   assert getattr(_checker(), case.kind)(case) == []
 
