@@ -60,10 +60,10 @@ row's softmax is nearly one-hot, dp_ij - D_i cancels to a small fraction of D_i'
 this term is most of the gradient: seed 58003's float16 case (a query scaled 12x, p = 0.9998
 on one key) had dk within 7e-7 of the gradient with D from the stored output and 0.0021 off
 the one with the float32 output's D (run 94's dsinks case was the same: 0.0107 off on xla
-and on pallas_gpu alike). Dense attention in the inputs' dtype never rounds the output before
-its gradient, so its error is no measure of this one. A case the library refuses (NotImplementedError,
-or a ValueError naming an argument, raised by ringflash's own code) is counted as refused
-and printed, not failed; any other exception is a failure.
+and on pallas_gpu alike). Dense attention in the inputs' dtype never rounds the output
+before its gradient, so its error is no measure of this one. A case the library refuses
+(NotImplementedError, or a ValueError naming an argument, raised by ringflash's own code) is
+counted as refused and printed, not failed; any other exception is a failure.
 
   # CPU, simulated devices (xla, or the Pallas backends interpreted), in the test venv:
   JAX_PLATFORMS=cpu .venv-test/bin/python scripts/random_check.py --backend=xla \
