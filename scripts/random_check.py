@@ -389,8 +389,9 @@ class _Checker:
       return jnp.asarray(np.where(np.isfinite(shift), shift, 0.0), jnp.float32)
 
     def run(f, q, k, v, keep, stored=None):
-      """f's results and gradients; stored: our output, for the oracle's gradients of the
-      contract's backward (stored_output_shift)."""
+      """f's results and gradients; given our output as stored, the gradients are a pair:
+      the exact ones and those of the contract's backward (stored_output_shift), in one
+      program (one forward of f)."""
       def loss(q, k, v, sinks, aux, keep, dout, dlse, shift):
         out, lse = f(q, k, v, sinks, aux)
         total = jnp.sum(jnp.where(keep, out.astype(jnp.float32) * dout, 0.0))
@@ -402,10 +403,12 @@ class _Checker:
         return total
       argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
       res = jax.jit(f)(q, k, v, sinks, aux)
-      shift = None if stored is None else stored_output_shift(stored, res[0], keep)
-      grads = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, sinks, aux, keep, dout, dlse,
-                                                       shift)
-      return res, grads
+      grad = jax.grad(loss, argnums=argnums)
+      args = (q, k, v, sinks, aux, keep, dout, dlse)
+      if stored is None:
+        return res, jax.jit(grad)(*args, None)
+      shift = stored_output_shift(stored, res[0], keep)
+      return res, jax.jit(lambda *a: (grad(*a, jnp.zeros_like(shift)), grad(*a, shift)))(*args)
 
     names = ("dq", "dk", "dv", "dsinks")
 
@@ -417,8 +420,7 @@ class _Checker:
 
     keep = jnp.ones(lead + (c.t, c.n, 1), bool)
     (o, lse), g = run(ours, q, k, v, keep)
-    (ro, rl), eg = run(dense(True), q, k, v, keep)
-    _, rg = run(dense(True), q, k, v, keep, stored=o)
+    (ro, rl), (eg, rg) = run(dense(True), q, k, v, keep, stored=o)
     (po, pl), pg = run(dense(False), q, k, v, keep)
     fails = []
     finite = np.isfinite(np.asarray(rl))
@@ -458,8 +460,7 @@ class _Checker:
     seeing = seeing.reshape(lead + (c.t, c.n))
     keep = jnp.asarray(~seeing)[..., None]
     (o, _), g = run(ours, bad["q"], bad["k"], bad["v"], keep)
-    (ro, rl), eg = run(dense(True), *qkv, keep)
-    _, rg = run(dense(True), *qkv, keep, stored=o)
+    (ro, rl), (eg, rg) = run(dense(True), *qkv, keep, stored=o)
     (po, _), pg = run(dense(False), *qkv, keep)
     o, ro, po = (np.asarray(x, np.float32) for x in (o, ro, po))
     what = f"{c.poison}={c.poison_value}"
