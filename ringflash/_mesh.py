@@ -131,6 +131,23 @@ def check_sequence_sharded(names: tuple[str, ...], **arrays) -> None:
           f"shard_map's in_specs must shard {name}'s sequence dim over axis_name")
 
 
+def check_same_on_ring(names: tuple[str, ...], **arrays) -> None:
+  """Inside shard_map with check_vma=True, sinks and sequence lengths are the whole
+  sequence's: every device of the ring must hold the same ones. One that varies over a ring
+  axis (in_specs sharding it over axis_name) gives each device other values, and the ring
+  would merge blocks computed with different lengths or sinks into a silently wrong result.
+  Nothing is typed with check_vma=False, and nothing is checked."""
+  for name, x in arrays.items():
+    if x is None or not isinstance(x, jax.Array):
+      continue
+    ring = [a for a in names if a in varying_axes(x)]
+    if ring:
+      raise ValueError(
+          f"{name} varies over mesh axis {ring[0]!r} of axis_name: it applies to the whole "
+          f"sequence, so every device of the ring must hold the same {name}; shard_map's "
+          f"in_specs must not shard it over axis_name")
+
+
 def check_no_explicit_axes() -> None:
   """Inside a shard_map manual over the ring's axis alone, other mesh axes may stay
   Explicit. Per-device kernels and collectives cannot run on arrays typed on such a mesh,

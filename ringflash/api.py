@@ -333,7 +333,9 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
     is_causal, scale, segment_ids, return_residual, backend, block_sizes, layout,
       local_window_size, bidirectional, sinks, logits_soft_cap, query_seq_lengths,
       key_value_seq_lengths, strategy: as ring_attention, with local shapes (zigzag needs
-      even local lengths; window bounds and sequence lengths are global).
+      even local lengths; window bounds and sequence lengths are global). Sinks and
+      sequence lengths must be the same on every device of the ring (not sharded over
+      axis_name).
 
   Returns:
     out [..., T_local, N, Hv] (and lse [..., N, T_local] float32 with return_residual).
@@ -343,7 +345,11 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
     NotImplementedError: as ring_attention.
   """
   axis_name = _mesh.frozen(axis_name)
-  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  names = (axis_name,) if isinstance(axis_name, str) else axis_name
+  if (not isinstance(names, tuple) or not names or len(set(names)) != len(names)
+      or not all(isinstance(a, str) for a in names)):
+    raise ValueError(f"axis_name must be a mesh axis name or a non-empty tuple of distinct "
+                     f"ones, got {axis_name!r}")
   try:
     sizes = tuple(lax.axis_size(a) for a in names)
   except NameError as err:
@@ -353,6 +359,8 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
   ring_size = axes.size
   _validate.check_segment_values(segment_ids)
   _mesh.check_sequence_sharded(names, query=query, key=key, value=value)
+  _mesh.check_same_on_ring(names, sinks=sinks, query_seq_lengths=query_seq_lengths,
+                           key_value_seq_lengths=key_value_seq_lengths)
   _mesh.check_no_explicit_axes()
   platform, device = _mesh.current_platform()
   call = _validate.check_call(

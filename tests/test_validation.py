@@ -244,6 +244,34 @@ def test_sharded_entry_refuses_keys_replicated_over_the_ring(ring):
       fn(q, key, v)
 
 
+@pytest.mark.parametrize("axis_name", [(), [], None, ("sp", "sp"), 3])
+def test_sharded_entry_axis_name_must_name_axes(axis_name):
+  """axis_name=() made a ring of one (the product of no sizes): each device attended to its
+  own slice alone, a silently wrong answer; ("sp", "sp") was JAX's error, not naming it."""
+  q, key, v = _arrays(t=16, s=16)
+  fn = jax.shard_map(
+      lambda q, k, v: ringflash.ring_attention_sharded(q, k, v, axis_name=axis_name),
+      mesh=helpers.mesh_of(4), in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+  with pytest.raises(ValueError, match="axis_name must be a mesh axis name or a non-empty"):
+    fn(q, key, v)
+
+
+@pytest.mark.parametrize("name", ["sinks", "query_seq_lengths", "key_value_seq_lengths"])
+def test_sharded_entry_refuses_whole_sequence_values_varying_over_the_ring(name):
+  """Lengths of shape [4] sharded over a ring of 4 give each device a [1] array, the batch
+  shape, holding another length: the ring merged blocks computed with different lengths (a
+  silently wrong answer, 2.5 off). The same for sinks of shape [4 N]. Now one ValueError."""
+  q, key, v = _arrays(t=16, s=16)
+  value = (jnp.zeros((4 * N,), F32) if name == "sinks" else jnp.array([16, 16, 2, 2]))
+  fn = jax.shard_map(
+      lambda q, k, v, x: ringflash.ring_attention_sharded(q, k, v, axis_name="sp",
+                                                          **{name: x}),
+      mesh=helpers.mesh_of(4), in_specs=(P(None, "sp"),) * 3 + (P("sp"),),
+      out_specs=P(None, "sp"))
+  with pytest.raises(ValueError, match=f"{name} varies over mesh axis 'sp' of axis_name"):
+    fn(q, key, v, value)
+
+
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
 def test_huge_scores_stay_finite(backend):
   """Scores near 1e9 and beyond: the max and the exponent see one copy of the scores (XLA had
