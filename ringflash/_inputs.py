@@ -210,11 +210,13 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
                                            (flat(key), s_len, k_rows),
                                            (flat(value), s_len, k_rows)))
   if not (call.masked_by_ids or _validate.padding_needs_ids(call, t_len, s_len)):
-    return q, k, v, None, None
+    return q, k, v, None, None, None
   b = q.shape[0]
+  bad = None
   if call.segments:
     q_ids, kv_ids = (segment_ids if isinstance(segment_ids, (tuple, list))
                      else (segment_ids, segment_ids))
+    bad = _outside_int32(flat(jnp.asarray(q_ids))) | _outside_int32(flat(jnp.asarray(kv_ids)))
     q_ids = _as_rows(_fit(flat(jnp.asarray(q_ids, jnp.int32)), t_len, q_rows), q)
     kv_ids = _as_rows(_fit(flat(jnp.asarray(kv_ids, jnp.int32)), s_len, k_rows), k)
   else:
@@ -233,7 +235,22 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
   # Inside a caller's shard_map, ids made from replicated lengths alone vary over no mesh
   # axis: typed like the rows they mask, so that the ring can carry them with K and V.
   return (q, k, v, base.match_vma(jnp.where(q_ok, q_ids, base.PAD_Q).astype(jnp.int32), q),
-          base.match_vma(jnp.where(k_ok, kv_ids, base.PAD_K).astype(jnp.int32), k))
+          base.match_vma(jnp.where(k_ok, kv_ids, base.PAD_K).astype(jnp.int32), k), bad)
+
+
+def _outside_int32(ids):
+  """[B] bool: whether any of a batch row's segment ids ([B, L], any integer dtype) lies at
+  int32's ends (the padding ids) or past them (it would wrap on conversion, onto another
+  segment or the padding). check_segment_values refuses such ids where it can read them;
+  traced ones reach here, and finish makes their batch row NaN rather than an answer for
+  segments the caller did not give."""
+  info = jnp.iinfo(ids.dtype)
+  bad = jnp.zeros(ids.shape, bool)
+  if info.max >= _validate.INT32_MAX:
+    bad = bad | (ids >= _validate.INT32_MAX)
+  if info.min <= _validate.INT32_MIN:
+    bad = bad | (ids <= _validate.INT32_MIN)
+  return jnp.any(bad, axis=-1)
 
 
 def add_sinks(out, lse, sinks):
@@ -362,11 +379,13 @@ def overflowed_rows(out, lse):
   return out + nan.transpose(0, 2, 1)[..., None].astype(out.dtype), lse + nan
 
 
-def finish(call: _validate.Call, out, lse, sinks, rows=None, lead_order=None):
+def finish(call: _validate.Call, out, lse, sinks, rows=None, lead_order=None, bad_ids=None):
   """The strategy's (out [B, T', N, Hv], lse [B, N, T']) in the user's shapes: sinks added,
   padding trimmed (rows: padded_rows' (rows, back) of the queries, where a zigzag or striped
   sequence was padded), leading dims restored (in the order canonical took, lead_order);
-  (out, lse) or out alone as return_residual says."""
+  (out, lse) or out alone as return_residual says. bad_ids: [B] bool or None, canonical's
+  batch rows with segment ids outside int32 (every device's, under ring_attention_sharded):
+  NaN throughout."""
   # Named as the strategies' residuals (parallel/local.RESIDUAL_NAMES): where a policy of
   # jax.checkpoint saves them, a rematerialized backward rebuilds what follows from these
   # (sinks, trimming: elementwise and local) without running the strategy again, the
@@ -375,6 +394,9 @@ def finish(call: _validate.Call, out, lse, sinks, rows=None, lead_order=None):
   if sinks is not None:
     out, lse = add_sinks(out, lse, sinks)
   out, lse = overflowed_rows(out, lse)
+  if bad_ids is not None:
+    nan = jnp.where(bad_ids, jnp.nan, 0.0).astype(jnp.float32)                 # [B]
+    out, lse = out + nan[:, None, None, None].astype(out.dtype), lse + nan[:, None, None]
   if rows is None:
     out, lse = out[:, :call.t], lse[:, :, :call.t]
   else:

@@ -52,7 +52,8 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
     scale: multiplier of q.k; default 1/sqrt(H).
     segment_ids: [..., T] int (self-attention, T == S) or a pair (q_ids [..., T],
       kv_ids [..., S]); a query attends only keys of its own segment id. Ids must lie
-      strictly between the smallest and the largest int32 (those two mark padding).
+      strictly between the smallest and the largest int32 (those two mark padding):
+      concrete ids outside are a ValueError, traced ones make their batch row NaN.
     return_residual: also return lse [..., N, T] float32 (with sinks: including them).
     backend: "auto" (the fastest backend that runs the call on the mesh's devices), "xla",
       "pallas_tpu", "pallas_gpu" (a named backend never falls back).
@@ -280,7 +281,7 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
       q_rows = _inputs.padded_rows(call.layout, ring_size, call.t, q_pos)
     if s_len != call.s:
       k_rows = _inputs.padded_rows(call.layout, ring_size, call.s, k_pos)
-  q, k, v, q_seg, kv_seg = _inputs.canonical(
+  q, k, v, q_seg, kv_seg, bad_ids = _inputs.canonical(
       call, query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths,
       t_len=t_len, s_len=s_len, q_pos=q_pos, k_pos=k_pos, q_rows=q_rows, k_rows=k_rows,
       lead_order=lead_order)
@@ -308,7 +309,8 @@ def _ring_attention(query, key, value, segment_ids, query_seq_lengths,
     # cannot stay split along it (on Explicit axes the slice would be refused).
     out = _mesh.place(out, mesh, P(batch, None, heads, None))
     lse = _mesh.place(lse, mesh, P(batch, heads, None))
-  return _inputs.finish(call, out, lse, sinks, rows=q_rows, lead_order=lead_order)
+  return _inputs.finish(call, out, lse, sinks, rows=q_rows, lead_order=lead_order,
+                        bad_ids=bad_ids)
 
 
 def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool = False,
@@ -379,11 +381,13 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
   index = lax.axis_index(axis_name)
   q_pos = device_positions(call.layout, index, ring_size, call.t)
   k_pos = device_positions(call.layout, index, ring_size, call.s)
-  q, k, v, q_seg, kv_seg = _inputs.canonical(
+  q, k, v, q_seg, kv_seg, bad_ids = _inputs.canonical(
       call, query, key, value, segment_ids, query_seq_lengths, key_value_seq_lengths,
       t_len=call.t, s_len=call.s, q_pos=q_pos, k_pos=k_pos)
+  if bad_ids is not None:     # a device's keys reach every device's rows
+    bad_ids = lax.pmax(bad_ids.astype(np.int32), names) > 0
   with _forward_mode_error(query, key, value, sinks):
     out, lse = strategies.attention_local(q, k, v, q_seg, kv_seg, spec=prepared.spec)
-  return _inputs.finish(call, out, lse, sinks)
+  return _inputs.finish(call, out, lse, sinks, bad_ids=bad_ids)
 
 

@@ -230,6 +230,34 @@ def test_segment_ids_outside_int32_are_an_error_naming_them(ids):
       fn(q, key, v, mesh=helpers.mesh_of(2), segment_ids=ids)
 
 
+@pytest.mark.parametrize("entry", ["ring_attention", "sharded"])
+@pytest.mark.parametrize("bad", [np.iinfo(np.int32).min, np.iinfo(np.int32).max, 2**31])
+def test_traced_segment_ids_outside_int32_make_their_batch_row_nan(bad, entry):
+  """Traced ids cannot be read before the call: at int32's ends (the padding ids) or past
+  them (uint32 2**31 wraps onto the smallest) they gave a finite answer for segments the
+  caller never gave (0.5 off where the queries saw the padding's keys). Now the batch row
+  holding one is NaN, out and lse; the other row stays exact."""
+  q, key, v, _ = helpers.inputs(3, 2, 16, 16, 2, 1, 8, F32)
+  dtype = np.uint32 if bad > np.iinfo(np.int32).max else np.int32
+  ids = np.array([[0] * 8 + [1] * 8, [0] * 8 + [bad] * 8]).astype(dtype)
+  mesh = helpers.mesh_of(4)
+  if entry == "ring_attention":
+    fn = jax.jit(lambda q, k, v, ids: ringflash.ring_attention(
+        q, k, v, mesh=mesh, segment_ids=ids, return_residual=True))
+  else:
+    fn = jax.jit(jax.shard_map(
+        lambda q, k, v, ids: ringflash.ring_attention_sharded(
+            q, k, v, axis_name="sp", segment_ids=ids, return_residual=True),
+        mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(None, "sp"),),
+        out_specs=(P(None, "sp"), P(None, None, "sp"))))
+  out, lse = (np.asarray(x) for x in fn(q, key, v, jnp.asarray(ids)))
+  ref, ref_lse = helpers.oracle.attention(q[:1], key[:1], v[:1], q_seg=ids[:1].astype(np.int32),
+                                          kv_seg=ids[:1].astype(np.int32))
+  assert np.isnan(out[1]).all() and np.isnan(lse[1]).all()
+  assert helpers.max_err(out[:1], ref) <= helpers.fp32_tol(ref)
+  assert helpers.max_err(lse[:1], ref_lse) <= helpers.fp32_tol(ref_lse)
+
+
 @pytest.mark.parametrize("ring", [2, 4])
 def test_sharded_entry_refuses_keys_replicated_over_the_ring(ring):
   """K/V replicated over axis_name (in_specs without it) were taken as each device's slice:
