@@ -11,11 +11,11 @@ by no device gives 0 (lse -inf). Everything is float32 from the kernel to the on
 Which key a query sees: query i of row b sits at position p_bi = L_b - t + i (L_b the row's
 cache length) and sees the slots whose position x satisfies x <= p_bi (causal) and, with a
 window of `left`, x >= p_bi - left. Positions are per row and per slot ([B, S] int32): a slot
-that holds nothing has EMPTY, later than every query, so it is never seen. The kernel contract
-takes positions shared by the batch, so visibility goes to the kernel as segment ids instead
-(VISIBLE or INVISIBLE_K per row and slot; the kernel runs without causal or window rules). The
-t queries of a row see nested, not equal, key sets, and one key has one segment id, so the
-keys split in two:
+that holds nothing has EMPTY (any position at or past it is free) and is never seen. The
+kernel contract takes positions shared by the batch, so visibility goes to the kernel as
+segment ids instead (VISIBLE or INVISIBLE_K per row and slot; the kernel runs without causal
+or window rules). The t queries of a row see nested, not equal, key sets, and one key has
+one segment id, so the keys split in two:
   core: seen by all t queries: x <= L_b - t and x >= L_b - 1 - left; one kernel call for
     all t queries over the whole shard;
   band i: seen by query i but not by all: at most 2 (t - 1) keys per row (the newer new tokens
@@ -154,25 +154,31 @@ def visibility(lengths, positions, t: int, window_left: int | None):
   """Which slots the new tokens see: (core [B, S] bool, bands [t] of [B, S] bool | None).
 
   core: seen by all t queries of the row; bands[i]: seen by query i but not by all.
+  lengths [B] and positions [B, S] are any int32 (a slot at or past EMPTY is free): they are
+  compared as uint32 offset by 2**31, which keeps int32's order, so that neither a query's
+  position (lengths - t + i, below int32 for a row shorter than t near its smallest) nor a
+  distance to a key overflows.
   """
-  first = lengths.astype(jnp.int32) - t                       # [B] position of token 0
-  x = positions
+  def biased(x):
+    return lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint32) ^ jnp.uint32(2**31)
 
-  def seen(hi, p=None):     # keys x <= hi within the window of position p >= hi (p None: none)
-    ok = x <= hi[:, None]
-    if p is None:
-      return ok
-    # p - x <= left as a distance in uint32: for x <= p it is the true difference (below
-    # 2**32 for any two int32), so neither a window nor a position overflows int32.
-    distance = (lax.bitcast_convert_type(p, jnp.uint32)[:, None]
-                - lax.bitcast_convert_type(x, jnp.uint32))
-    return ok & (distance <= jnp.uint32(left))
-
+  ends = biased(lengths)[:, None]                               # [B, 1]
+  x = biased(positions)                                         # [B, S]
+  real = positions < EMPTY
   left = window_left
-  core = seen(first, None if left is None else first + t - 1)
+
+  def seen(back, p_back=None):
+    """Keys x <= lengths - back (x + back cannot pass 2**32 below EMPTY), within the window
+    of the query at lengths - p_back >= them (p_back None: no window)."""
+    ok = real & (x + jnp.uint32(back) <= ends)
+    if p_back is None:
+      return ok
+    return ok & (ends - jnp.uint32(p_back) - x <= jnp.uint32(left))   # exact where ok
+
+  core = seen(t, None if left is None else 1)
   if t == 1:
     return core, None
-  bands = [seen(first + i, None if left is None else first + i) & ~core for i in range(t)]
+  bands = [seen(t - i, None if left is None else t - i) & ~core for i in range(t)]
   return core, bands
 
 

@@ -56,7 +56,7 @@ def decode_attention(query, key_cache, value_cache, *, cache_lengths, mesh: Mesh
     value_cache: [B, S_max, K, Hv].
     cache_lengths: [B] int: valid length of each row, the new tokens included (their K/V
       are already in the cache). A row of length < t has queries at negative positions: they
-      see nothing. Values past +-2**30 count as +-2**30 (caches hold fewer slots).
+      see nothing. Any int32; a wider value past int32's ends counts as that end.
     mesh: the device mesh.
     axis_name: the mesh axis (or tuple of axes, first major) the cache's sequence is sharded
       over.
@@ -70,7 +70,8 @@ def decode_attention(query, key_cache, value_cache, *, cache_lengths, mesh: Mesh
     block_sizes: the backend's tile configuration (ringflash.XlaBlockSizes, ...), or None.
     cache_positions: None (slot s holds position s) or [B, S_max] int: the position of each
       slot, sharded like the caches; a free slot holds a position >= its row's length
-      (ringflash.KVCache keeps this array). Positions at or past 2**30 count as free.
+      (ringflash.KVCache keeps this array). Positions at or past 2**30 count as free; a
+      wider dtype's position below int32's smallest counts as it.
     return_residual: also return lse [B, N, t] float32 (with sinks: including them).
     strategy: "reduce" (the above), or the baselines "allgather" (every device gathers the
       whole cache) and "ring" (shards rotate around the ring), same result.
@@ -110,10 +111,9 @@ class _Options:
 
 
 def _clipped_lengths(cache_lengths):
-  """cache_lengths as int32 in [-EMPTY, EMPTY] (_validate.int32_clipped): a longer row has
-  every slot in range and its queries stay before EMPTY, the position of a free slot; the
-  mask's arithmetic on the queries' positions stays inside int32."""
-  return _validate.int32_clipped(cache_lengths, -decode_parallel.EMPTY, decode_parallel.EMPTY)
+  """cache_lengths as int32 (_validate.int32_clipped: a wider value past int32's ends counts
+  as that end); the mask (parallel/decode.visibility) takes any int32."""
+  return _validate.int32_clipped(cache_lengths, _validate.INT32_MIN, _validate.INT32_MAX)
 
 
 def _clipped_positions(cache_positions):

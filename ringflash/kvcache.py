@@ -11,8 +11,7 @@ in slots 0, 1; used = 8. The appended tokens 8, 9, 10, 11, 12 go to devices 0, 1
 local slots 2, 2, 2, 2, 3. Device 1 then holds 2 3 9 and device 0 holds 0 1 8 12.
 
 Since a slot's position is not its index, the cache keeps positions[B, max_len] int32 beside
-K and V (sharded like them; EMPTY = 2**30 marks a free slot, later than any query, so never
-seen): masks are computed from positions, so they stay exact. K and V pass through the
+K and V (sharded like them; EMPTY = 2**30 marks a free slot, never seen): masks are computed from positions, so they stay exact. K and V pass through the
 non-finite guard (kernels/base.py) when they are written, so attention reads them as they are:
 a NaN in a slot a token does not see never reaches it, and no pass over the cache precedes
 each decode step.
@@ -120,8 +119,12 @@ class KVCache:
                        f"{axis_name!r}")
     if max_len >= EMPTY:
       raise ValueError(f"max_len={max_len} must be below {EMPTY}")
-    if jnp.dtype(dtype) not in _validate.FLOAT_DTYPES:
-      raise ValueError(f"dtype must be float32, bfloat16 or float16, got {jnp.dtype(dtype)}")
+    try:
+      known = jnp.dtype(dtype)
+    except TypeError:
+      known = None
+    if known not in _validate.FLOAT_DTYPES:
+      raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if batch_axis is not None:
       names = (batch_axis,) if isinstance(batch_axis, str) else batch_axis
       seq = (axis_name,) if isinstance(axis_name, str) else axis_name

@@ -263,6 +263,28 @@ def test_a_window_of_any_int32_distance_is_exact():
 
 
 @pytest.mark.parametrize("strategy", ["reduce", "ring", "allgather"])
+def test_lengths_near_int32_ends_are_exact(strategy):
+  """Lengths were clipped to +-2**30 before the mask: row 0's queries at 2**31 - 3 and - 2
+  moved to 2**30 - 2 and - 1, into a window of 2**30 + 100 of the keys at 0 .. 15 (a finite
+  answer where nothing is seen); row 1's at -2**31 + 8 and + 9 moved to -2**30 - 2 and - 1,
+  after keys at -2**31 + 20 .. (seen although later). Now both as the definition says."""
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(23, 2, 2, 16, 2, 1, 8)
+  low = np.iinfo(np.int32).min
+  positions = np.stack([np.arange(16), low + np.array([5] + list(range(20, 35)))])
+  lengths = np.array([2**31 - 1, low + 10], np.int64)
+  window = 2**30 + 100
+  got = ringflash.decode_attention(
+      q, *_sharded(mesh, key, v), cache_lengths=lengths.astype(np.int32),
+      cache_positions=_sharded(mesh, positions.astype(np.int32))[0], mesh=mesh,
+      local_window_size=window, strategy=strategy, return_residual=True)
+  ref = _reference(q, key, v, lengths.astype(np.int32), positions=positions.astype(np.int32),
+                   window=window)
+  assert np.all(np.asarray(ref[0][0]) == 0) and np.all(np.isneginf(np.asarray(ref[1][0])))
+  _close(got, ref)
+
+
+@pytest.mark.parametrize("strategy", ["reduce", "ring", "allgather"])
 def test_scores_below_float32_make_their_token_nan_not_zero(strategy):
   """A query of -1e38 against positive keys: every score it sees is below float32's range
   (-inf from finite inputs). That token's heads become NaN, out and lse, not 0 as a token
@@ -497,6 +519,9 @@ def test_cache_checks_its_arguments():
     ringflash.KVCache.create(1, 30, 1, 8, mesh=mesh)
   with pytest.raises(ValueError, match="batch_axis"):
     ringflash.KVCache.create(1, 32, 1, 8, mesh=mesh, batch_axis="sp")
+  for dtype in ("foo", jnp.int32):        # "foo" was NumPy's TypeError, not naming dtype
+    with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16"):
+      ringflash.KVCache.create(1, 32, 1, 8, mesh=mesh, dtype=dtype)
   cache = ringflash.KVCache.create(1, 16, 1, 8, mesh=mesh, dtype=jnp.float32)
   with pytest.raises(ValueError, match="more than the cache"):
     cache.prefill(jnp.zeros((1, 20, 1, 8)), jnp.zeros((1, 20, 1, 8)))
