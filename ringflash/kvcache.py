@@ -11,8 +11,9 @@ in slots 0, 1; used = 8. The appended tokens 8, 9, 10, 11, 12 go to devices 0, 1
 local slots 2, 2, 2, 2, 3. Device 1 then holds 2 3 9 and device 0 holds 0 1 8 12.
 
 Since a slot's position is not its index, the cache keeps positions[B, max_len] int32 beside
-K and V (sharded like them; EMPTY = 2**30 marks a free slot, never seen): masks are computed from positions, so they stay exact. K and V pass through the
-non-finite guard (kernels/base.py) when they are written, so attention reads them as they are:
+K and V (sharded like them; EMPTY = 2**30 marks a free slot, never seen): masks are computed
+from positions, so they stay exact. K and V pass through the non-finite guard
+(kernels/base.py) when they are written, so attention reads them as they are:
 a NaN in a slot a token does not see never reaches it, and no pass over the cache precedes
 each decode step.
 
