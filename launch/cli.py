@@ -138,7 +138,8 @@ def _job_environment(values: dict[str, str]):
         os.environ[name] = value
 
 
-def check_job(job: list[str], *, devices: int | None, processes: int = 1) -> None:
+def check_job(job: list[str], *, devices: int | None, processes: int = 1,
+              platform: str = "cpu") -> None:
   """Checks a job before it starts anywhere.
 
   Args:
@@ -147,6 +148,7 @@ def check_job(job: list[str], *, devices: int | None, processes: int = 1) -> Non
       process), for the checks that need it; None skips them, and the checks of the job's
       folders, which belong to the machines that run it (tpu).
     processes: the job's processes, each holding devices / processes of them.
+    platform: the devices the launch gives each process: "cpu" (simulated), "gpu", "tpu".
 
   Raises:
     UsageError: the job is not a ringflash subcommand, or (bench, check, train) one of its flags
@@ -182,6 +184,13 @@ def check_job(job: list[str], *, devices: int | None, processes: int = 1) -> Non
     rest = values([name, *job[1:]])
     if len(rest) > 1:
       raise UsageError(f"takes flags only, got the argument(s) {' '.join(rest[1:])}")
+    if platform != "cpu" and "platform" in values and values.platform == "cpu":
+      # train's --platform=cpu sets jax_platforms itself: it trained on simulated CPU devices
+      # under `launch local --platform=gpu`, and exited 0.
+      default = "" if values["platform"].present else " (its default)"
+      raise UsageError(f"--platform=cpu{default} runs on simulated CPU devices, not on the "
+                       f"{platform.upper()}s this launch gives each process; pass "
+                       f"--platform=default")
     parsed = module.job_from_flags(values, folders=devices is not None)
     if hasattr(module, "check_processes"):        # bench: most modes run in one process
       module.check_processes(values, processes)
@@ -227,7 +236,7 @@ def main(argv) -> None:
            if FLAGS.platform == "cpu" else {})
     with _job_environment(env):
       check_job(job, devices=FLAGS.processes * FLAGS.devices_per_process,
-                processes=FLAGS.processes)
+                processes=FLAGS.processes, platform=FLAGS.platform)
     if FLAGS.port:
       try:
         local.check_port(FLAGS.port)
@@ -250,7 +259,7 @@ def main(argv) -> None:
       raise UsageError(str(err)) from None
     sys.exit(status)
 
-  check_job(job, devices=None)
+  check_job(job, devices=None, platform="tpu")
   if not FLAGS.python.strip():
     raise UsageError("--python must name the workers' Python, e.g. python3")
   try:

@@ -223,11 +223,11 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
   os.makedirs(log_dir, exist_ok=True)
   command = [python, "-m", "ringflash.cli", *job]
   lock = threading.Lock()
+  terminal = _Terminal(terminal)
 
   def say(text: str) -> None:
     with lock:
       terminal.write(f"ringflash launch: {text}\n")
-      terminal.flush()
 
   say(f"{processes} processes x {devices_per_process} {platform.upper()} devices, coordinator "
       f"127.0.0.1:{port}, logs in {log_dir}")
@@ -384,7 +384,27 @@ def _stop(procs, stop_timeout_s, say) -> set[int]:
   return killed
 
 
-def _pump(proc, index: int, log_path: str, terminal: TextIO, lock) -> None:
+class _Terminal:
+  """The terminal's writes, which stop once it is gone: a reader that exits (`| head`) closes
+  the pipe, and writing raises BrokenPipeError. The job goes on, its output still in the
+  logs. (A pump thread that died of it left its process's pipe undrained: the process
+  blocked on a full pipe, the others on it in a collective, and the launch hung.)"""
+
+  def __init__(self, stream: TextIO):
+    self._stream = stream
+    self._gone = False
+
+  def write(self, text: str) -> None:
+    if self._gone:
+      return
+    try:
+      self._stream.write(text)
+      self._stream.flush()
+    except (OSError, ValueError):          # BrokenPipeError; ValueError: a closed stream
+      self._gone = True
+
+
+def _pump(proc, index: int, log_path: str, terminal: _Terminal, lock) -> None:
   """Copies one process's output to its log file and, prefixed, to the terminal."""
   prefix = f"[{index}] "
   with open(log_path, "w", encoding="utf-8") as log:
@@ -394,7 +414,6 @@ def _pump(proc, index: int, log_path: str, terminal: TextIO, lock) -> None:
       log.flush()
       with lock:
         terminal.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
-        terminal.flush()
 
 
 def _wait(proc, index: int, exits) -> None:

@@ -319,6 +319,32 @@ def _stand_in(tmp_path, body: str):
   return str(script)
 
 
+class _ClosedAfterOneWrite(io.StringIO):
+  """A terminal whose reader exits after the first line, as `| head -1` does."""
+
+  def write(self, text):
+    if self.getvalue():
+      raise BrokenPipeError(32, "Broken pipe")
+    return super().write(text)
+
+
+def test_a_terminal_that_goes_away_does_not_hang_the_job(tmp_path):
+  """Each stand-in process writes 4000 lines (past a pipe's 64 KiB) and exits 0. A terminal
+  write that raised BrokenPipeError ended the pump thread, nobody drained the process's
+  pipe, and the process blocked on it forever (`launch local ... | head -3` hung). Now the
+  job ends, every line in its log."""
+  script = _stand_in(tmp_path, "for i in $(seq 4000); do echo \"line $i of a long output\"; "
+                               "done\n")
+  started = time.monotonic()
+  status = local.launch(["check"], processes=2, devices_per_process=1,
+                        log_dir=str(tmp_path / "logs"), python=script, timeout_s=60,
+                        terminal=_ClosedAfterOneWrite())
+  assert status == 0 and time.monotonic() - started < 30
+  for i in (0, 1):
+    lines = (tmp_path / "logs" / f"process_{i}.log").read_text().splitlines()
+    assert len(lines) == 4000 and lines[-1] == "line 4000 of a long output", lines[-3:]
+
+
 def test_processes_stopping_on_a_preemption_notice_are_not_lost(tmp_path):
   """Every process saves on a preemption notice and exits with status 143, process 1 a
   second after process 0: process 0 is not lost, process 1 is not stopped (its SIGTERM
@@ -695,6 +721,12 @@ def test_every_subcommand_is_a_joining_or_a_single_process_job():
                    "the job's 2 x 4 devices without one"),
     (["local", "--processes=3", "--devices-per-process=2", "--", "train", "--data_parallel=2",
       "--ring=2"], "leaves process 2 of the job's 3 x 2 devices without one"),
+    # train's own --platform=cpu set jax_platforms: it trained on CPU devices and exited 0
+    (["local", "--platform=gpu", "--processes=1", "--devices-per-process=1", "--", "train"],
+     "job train: --platform=cpu (its default) runs on simulated CPU devices, not on the GPUs "
+     "this launch gives each process; pass --platform=default"),
+    (["tpu", "--name=n", "--zone=z", "--dry-run", "--", "train", "--platform=cpu"],
+     "job train: --platform=cpu runs on simulated CPU devices, not on the TPUs"),
     # each process failed in JAX's backend initialization (AssertionError): no CUDA plugin
     # here, or fewer than 16 GPUs
     (["local", "--platform=gpu", "--processes=16", "--devices-per-process=1", "--", "check"],
@@ -924,8 +956,9 @@ def test_tpu_job_folders_belong_to_the_workers(tmp_path):
   launcher leaves it to the job."""
   ckpt, metrics = tmp_path / "ckpt" / "run", tmp_path / "metrics" / "m.jsonl"
   run = ringflash("launch", "tpu", "--name=rf", "--zone=z", "--workers=2", "--dry-run",
-                  f"--log_dir={tmp_path / 'logs'}", "--", "train", f"--checkpoint_dir={ckpt}",
-                  f"--metrics_file={metrics}", "--save_every=5", timeout=60)
+                  f"--log_dir={tmp_path / 'logs'}", "--", "train", "--platform=default",
+                  f"--checkpoint_dir={ckpt}", f"--metrics_file={metrics}", "--save_every=5",
+                  timeout=60)
   assert run.returncode == 0, run.stderr[-2000:]
   assert os.listdir(tmp_path) == []
 
