@@ -265,10 +265,13 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
       say(f"process {i}: " + ("killed by SIGKILL" if i in killed else
                               describe_exit(proc.returncode)))
     # A job that reads SIGTERM as a preemption notice (train) saves and exits with
-    # PREEMPTED_STATUS; the launcher's status says so when every process did.
-    preempted = bool(procs) and all(proc.returncode == distributed.PREEMPTED_STATUS
-                                    for proc in procs)
-    status = _preempted_status(procs, say) if preempted else 1
+    # PREEMPTED_STATUS; the launcher's status says so when every process did. One that the
+    # SIGTERM passed on ended outside its training loop (before it, while joining, restoring
+    # or compiling; after it, waiting for the last save) was stopped by the same notice, with
+    # nothing since its newest complete checkpoint to save: as a shell reports it, 143.
+    notice = (distributed.PREEMPTED_STATUS, -signal.SIGTERM)
+    preempted = bool(procs) and all(proc.returncode in notice for proc in procs)
+    status = _preempted_status(procs, say, notice) if preempted else 1
   finally:
     if previous is not None:
       signal.signal(signal.SIGTERM, previous)
@@ -345,15 +348,24 @@ def _supervise(procs, exits, logs, say, *, stop_timeout_s, deadline) -> int:
   return _preempted_status(procs, say)
 
 
-def _preempted_status(procs, say) -> int:
-  """PREEMPTED_STATUS if every process saved on a preemption notice and stopped, else 1."""
+def _preempted_status(procs, say, notice=(distributed.PREEMPTED_STATUS,)) -> int:
+  """PREEMPTED_STATUS if every process stopped on a preemption notice (its return code in
+  `notice`: saved and exited with PREEMPTED_STATUS, or, where the launcher passed the notice
+  on, ended by that SIGTERM), else 1."""
   status = distributed.PREEMPTED_STATUS
-  others = [i for i, proc in enumerate(procs) if proc.returncode != status]
+  others = [i for i, proc in enumerate(procs) if proc.returncode not in notice]
   if others:
     say(f"FAILED: processes {others} did not stop on the preemption notice (status {status})")
     return 1
-  say(f"PREEMPTED: all {len(procs)} processes saved and stopped on a preemption notice "
-      f"(status {status}); run the job again with --resume to continue")
+  ended = [i for i, proc in enumerate(procs) if proc.returncode != status]
+  if ended:
+    say(f"PREEMPTED: all {len(procs)} processes stopped on a preemption notice; processes "
+        f"{ended} were ended by its SIGTERM outside their training loop, with nothing to "
+        f"save since their newest complete checkpoint; run the job again with --resume to "
+        f"continue")
+  else:
+    say(f"PREEMPTED: all {len(procs)} processes saved and stopped on a preemption notice "
+        f"(status {status}); run the job again with --resume to continue")
   return status
 
 

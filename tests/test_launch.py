@@ -389,14 +389,17 @@ def test_a_process_that_does_not_stop_on_the_notice_fails_the_launch(tmp_path):
   assert "PREEMPTED" not in text, text
 
 
-@pytest.mark.parametrize("codes, want", [((143, 143), 143), ((143, 1), 1)])
+@pytest.mark.parametrize("codes, want", [((143, 143), 143), ((143, 1), 1),
+                                         ((143, None), 143), ((None, 1), 1)])
 def test_sigterm_to_the_launcher_reports_a_preemption(tmp_path, codes, want):
   """SIGTERM to the launcher (a scheduler's notice): it passes SIGTERM on; when every process
-  saves and exits with 143 the launcher exits with 143 (it said 1), else with 1."""
+  saves and exits with 143 the launcher exits with 143 (it said 1), else with 1. A process
+  that the SIGTERM ends (None: no handler, as train before its training loop) stopped on the
+  notice too: the launcher exited with 1 for it, where a shell reports 143."""
   script = _stand_in(tmp_path,
                      f"if [ \"$RINGFLASH_PROCESS_ID\" = 1 ]; then code={codes[1]}; "
                      f"else code={codes[0]}; fi\n"
-                     "trap 'exit $code' TERM\necho ready\n"
+                     "if [ \"$code\" != None ]; then trap 'exit $code' TERM; fi\necho ready\n"
                      "for i in $(seq 600); do sleep 0.1; done\n")
   program = ("import sys; from ringflash.launch import local; "
              f"sys.exit(local.launch(['train'], processes=2, devices_per_process=1, "
@@ -420,7 +423,11 @@ def test_sigterm_to_the_launcher_reports_a_preemption(tmp_path, codes, want):
   reader.join(5)
   text = "".join(lines)
   assert "Traceback" not in text, text
-  if want == 143:
+  if None in codes and want == 143:
+    assert "process 1: killed by signal SIGTERM" in text, text
+    assert ("PREEMPTED: all 2 processes stopped on a preemption notice; processes [1] were "
+            "ended by its SIGTERM outside their training loop") in text, text
+  elif want == 143:
     assert "PREEMPTED: all 2 processes saved and stopped" in text, text
   else:
     assert "process 1: exited with status 1" in text and "PREEMPTED" not in text, text
