@@ -88,6 +88,12 @@ _ANSWER_GRACE_S = 5.0
 _LEAVE_TOGETHER_S = 30.0
 
 
+class BadEnvironment(UsageError, ValueError):
+  """A RINGFLASH_* variable that is wrong: a ValueError to initialize()'s callers, and to
+  the commands that join a job (train, check, bench) a mistake of the command line, said in
+  one line with status 2 (it was a traceback)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Processes:
   """This process's place in the job.
@@ -135,21 +141,21 @@ def initialize() -> Processes:
   devices_per_process = _env_int(ENV_DEVICES_PER_PROCESS, None, minimum=1)
   if os.environ.get(ENV_PROCESS_ID) and not os.environ.get(ENV_NUM_PROCESSES):
     # Else it would be ignored: a process meant to join a job would run alone.
-    raise ValueError(f"{ENV_PROCESS_ID} is set ({os.environ[ENV_PROCESS_ID]!r}) but "
-                     f"{ENV_NUM_PROCESSES} is not: set both (the explicit contract) or "
-                     f"neither")
+    raise BadEnvironment(f"{ENV_PROCESS_ID} is set ({os.environ[ENV_PROCESS_ID]!r}) but "
+                         f"{ENV_NUM_PROCESSES} is not: set both (the explicit contract) or "
+                         f"neither")
   if os.environ.get(ENV_NUM_PROCESSES):
     num_processes = _env_int(ENV_NUM_PROCESSES, None, minimum=1)
     process_id = _env_int(ENV_PROCESS_ID, None, minimum=0)
     if process_id is None:
-      raise ValueError(f"{ENV_PROCESS_ID} must be set when {ENV_NUM_PROCESSES} is")
+      raise BadEnvironment(f"{ENV_PROCESS_ID} must be set when {ENV_NUM_PROCESSES} is")
     if process_id >= num_processes:
-      raise ValueError(f"{ENV_PROCESS_ID}={process_id} must be < "
-                       f"{ENV_NUM_PROCESSES}={num_processes}")
+      raise BadEnvironment(f"{ENV_PROCESS_ID}={process_id} must be < "
+                           f"{ENV_NUM_PROCESSES}={num_processes}")
     coordinator = os.environ.get(ENV_COORDINATOR, "")
     if num_processes > 1 and not coordinator:
-      raise ValueError(f"{ENV_COORDINATOR} (host:port of process 0) must be set when "
-                       f"{ENV_NUM_PROCESSES}={num_processes}")
+      raise BadEnvironment(f"{ENV_COORDINATOR} (host:port of process 0) must be set when "
+                           f"{ENV_NUM_PROCESSES}={num_processes}")
     _configure_cpu(devices_per_process, multi_process=num_processes > 1)
     if num_processes == 1:
       _joined = Processes(0, 1, None, "single")
@@ -436,18 +442,19 @@ def _env_int(name: str, default: int | None, *, minimum: int,
   try:
     value = int(raw)
   except ValueError:
-    raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    raise BadEnvironment(f"{name} must be an integer, got {raw!r}") from None
   if not minimum <= value <= maximum:
-    raise ValueError(f"{name} must be in {minimum}..{maximum}, got {value}")
+    raise BadEnvironment(f"{name} must be in {minimum}..{maximum}, got {value}")
   return value
 
 
 def _split_address(address: str) -> tuple[str, int]:
   host, sep, port = address.rpartition(":")
   if not sep or not host or not port.isdigit():
-    raise ValueError(f"{ENV_COORDINATOR} must be host:port, got {address!r}")
+    raise BadEnvironment(f"{ENV_COORDINATOR} must be host:port, got {address!r}")
   if not 1 <= int(port) <= 65535:
-    raise ValueError(f"{ENV_COORDINATOR}={address}: the port must be in 1..65535, got {port}")
+    raise BadEnvironment(f"{ENV_COORDINATOR}={address}: the port must be in 1..65535, got "
+                         f"{port}")
   return host.strip("[]"), int(port)
 
 

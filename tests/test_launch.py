@@ -817,6 +817,17 @@ def test_default_log_folders_of_launches_in_the_same_second_differ(monkeypatch):
   assert launch_cli.log_dir("local", "logs") == os.path.abspath("logs")
 
 
+@pytest.mark.parametrize("command", [["check"], ["train"], ["bench", "--mode=scaling"]])
+def test_bad_environment_is_one_line_from_the_commands(command):
+  """The commands that join a job said a wrong RINGFLASH_* variable in a 27-line traceback
+  ending in the ValueError; now in one line naming it, status 2."""
+  run = ringflash(*command, timeout=120, env=job_env(
+      RINGFLASH_NUM_PROCESSES="2", RINGFLASH_PROCESS_ID="0",
+      RINGFLASH_COORDINATOR="127.0.0.1:notaport"))
+  assert_usage_error(run, command[0],
+                     "RINGFLASH_COORDINATOR must be host:port, got '127.0.0.1:notaport'")
+
+
 def test_rendezvous_refuses_disagreeing_processes():
   """Process 1 believes in 2 processes, process 0 in 3; a second 'process 1' is refused."""
   port = local.free_port()
