@@ -216,7 +216,10 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
   if call.segments:
     q_ids, kv_ids = (segment_ids if isinstance(segment_ids, (tuple, list))
                      else (segment_ids, segment_ids))
-    bad = _outside_int32(flat(jnp.asarray(q_ids))) | _outside_int32(flat(jnp.asarray(kv_ids)))
+    # Typed like the rows (inside shard_map: varying over every axis q varies over), so that
+    # ring_attention_sharded can reduce it over the whole ring.
+    bad = base.match_vma(_outside_int32(flat(jnp.asarray(q_ids)))
+                         | _outside_int32(flat(jnp.asarray(kv_ids))), rows)
     q_ids = _as_rows(_fit(flat(jnp.asarray(q_ids, jnp.int32)), t_len, q_rows), q)
     kv_ids = _as_rows(_fit(flat(jnp.asarray(kv_ids, jnp.int32)), s_len, k_rows), k)
   else:

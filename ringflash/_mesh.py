@@ -133,10 +133,11 @@ def check_sequence_sharded(names: tuple[str, ...], **arrays) -> None:
 
 def check_same_on_ring(names: tuple[str, ...], **arrays) -> None:
   """Inside shard_map with check_vma=True, sinks and sequence lengths are the whole
-  sequence's: every device of the ring must hold the same ones. One that varies over a ring
-  axis (in_specs sharding it over axis_name) gives each device other values, and the ring
-  would merge blocks computed with different lengths or sinks into a silently wrong result.
-  Nothing is typed with check_vma=False, and nothing is checked."""
+  sequence's: every device of the ring must hold the same ones. One typed as varying over a
+  ring axis (in_specs sharding it over axis_name) may give each device other values, and the
+  ring would merge blocks computed with different lengths or sinks into a silently wrong
+  result; its values cannot be read here, so the type decides, and the message says how to
+  make equal values invariant. Nothing is typed with check_vma=False: nothing is checked."""
   for name, x in arrays.items():
     if x is None or not isinstance(x, jax.Array):
       continue
@@ -145,7 +146,9 @@ def check_same_on_ring(names: tuple[str, ...], **arrays) -> None:
       raise ValueError(
           f"{name} varies over mesh axis {ring[0]!r} of axis_name: it applies to the whole "
           f"sequence, so every device of the ring must hold the same {name}; shard_map's "
-          f"in_specs must not shard it over axis_name")
+          f"in_specs must not shard it over axis_name, and one computed inside the shard_map "
+          f"must be typed invariant over it (where every device holds the same values, "
+          f"jax.lax.pmax over axis_name makes it so)")
 
 
 def check_no_explicit_axes() -> None:

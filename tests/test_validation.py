@@ -258,6 +258,26 @@ def test_traced_segment_ids_outside_int32_make_their_batch_row_nan(bad, entry):
   assert helpers.max_err(lse[:1], ref_lse) <= helpers.fp32_tol(ref_lse)
 
 
+def test_sharded_ids_varying_over_part_of_a_two_axis_ring_are_reduced_over_all_of_it():
+  """Ids typed as varying over "a" of a ring over ("a", "b") (their local shard repeats over
+  "b"): the check of their range was reduced over both axes, which JAX refuses for a value
+  that does not vary over "b" (a ValueError from pmax). Valid ids give the exact answer."""
+  q, key, v, _ = helpers.inputs(5, 2, 16, 16, 2, 1, 8, F32)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "a", "b"))
+  ids = np.zeros((2, 8), np.int32)
+  ids[:, 4:] = 1
+  fn = jax.jit(jax.shard_map(
+      lambda q, k, v, ids: ringflash.ring_attention_sharded(q, k, v, axis_name=("a", "b"),
+                                                            segment_ids=ids),
+      mesh=mesh, in_specs=(P(None, ("a", "b")),) * 3 + (P(None, "a"),),
+      out_specs=P(None, ("a", "b"))))
+  out = fn(q, key, v, jnp.asarray(ids))
+  # ring device a * 2 + b holds rows of ids' shard a
+  seen = np.concatenate([ids[:, (r // 2) * 4:(r // 2 + 1) * 4] for r in range(4)], axis=1)
+  ref, _ = helpers.oracle.attention(q, key, v, q_seg=jnp.asarray(seen), kv_seg=jnp.asarray(seen))
+  assert helpers.max_err(out, ref) <= helpers.fp32_tol(ref)
+
+
 @pytest.mark.parametrize("ring", [2, 4])
 def test_sharded_entry_refuses_keys_replicated_over_the_ring(ring):
   """K/V replicated over axis_name (in_specs without it) were taken as each device's slice:
