@@ -269,14 +269,17 @@ def launch(job: Sequence[str], *, processes: int, devices_per_process: int, log_
     # SIGTERM passed on ended outside its training loop (before it, while joining, restoring
     # or compiling; after it, waiting for the last save) was stopped by the same notice, with
     # nothing since its newest complete checkpoint to save: as a shell reports it, 143.
-    notice = (distributed.PREEMPTED_STATUS, -signal.SIGTERM)
+    # Only train saves and resumes: a check or bench that the SIGTERM ends failed.
+    notice = ((distributed.PREEMPTED_STATUS, -signal.SIGTERM) if job[0] == "train"
+              else (distributed.PREEMPTED_STATUS,))
     preempted = bool(procs) and all(proc.returncode in notice for proc in procs)
     status = _preempted_status(procs, say, notice) if preempted else 1
   finally:
     if previous is not None:
       signal.signal(signal.SIGTERM, previous)
   for thread in threads:
-    thread.join(_READER_JOIN_S)
+    if thread.ident is not None:       # started: a SIGTERM may come before all of them are
+      thread.join(_READER_JOIN_S)
   return status
 
 
@@ -412,8 +415,15 @@ class _Terminal:
     try:
       self._stream.write(text)
       self._stream.flush()
-    except (OSError, ValueError):          # BrokenPipeError; ValueError: a closed stream
+    except UnicodeEncodeError:             # a terminal of another encoding: said as it can
+      encoding = getattr(self._stream, "encoding", None) or "ascii"
+      self.write(text.encode(encoding, "replace").decode(encoding))
+    except OSError:                        # BrokenPipeError
       self._gone = True
+    except ValueError:
+      if not getattr(self._stream, "closed", False):
+        raise
+      self._gone = True                    # a closed stream
 
 
 def _pump(proc, index: int, log_path: str, terminal: _Terminal, lock) -> None:

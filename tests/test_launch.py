@@ -345,6 +345,28 @@ def test_a_terminal_that_goes_away_does_not_hang_the_job(tmp_path):
     assert len(lines) == 4000 and lines[-1] == "line 4000 of a long output", lines[-3:]
 
 
+class _AsciiTerminal(io.StringIO):
+  """A terminal whose encoding is ASCII (PYTHONIOENCODING=ascii, a C locale)."""
+  encoding = "ascii"
+
+  def write(self, text):
+    text.encode("ascii")                  # UnicodeEncodeError, as a TextIOWrapper raises
+    return super().write(text)
+
+
+def test_a_terminal_of_another_encoding_still_gets_every_line(tmp_path):
+  """A job line the terminal cannot encode (a UnicodeEncodeError, a ValueError) was taken as
+  the terminal gone: the launcher's verdict never reached it. Now the line is written with
+  replacements, and the verdict follows."""
+  script = _stand_in(tmp_path, "if [ \"$RINGFLASH_PROCESS_ID\" = 0 ]; then echo 'a → b'; "
+                               "exit 1; fi\nsleep 5\n")
+  terminal = _AsciiTerminal()
+  status = local.launch(["check"], processes=2, devices_per_process=1,
+                        log_dir=str(tmp_path / "logs"), python=script, terminal=terminal)
+  text = terminal.getvalue()
+  assert status == 1 and "[0] a ? b" in text and "FAILED: process 0 was lost" in text, text
+
+
 def test_processes_stopping_on_a_preemption_notice_are_not_lost(tmp_path):
   """Every process saves on a preemption notice and exits with status 143, process 1 a
   second after process 0: process 0 is not lost, process 1 is not stopped (its SIGTERM
@@ -389,20 +411,22 @@ def test_a_process_that_does_not_stop_on_the_notice_fails_the_launch(tmp_path):
   assert "PREEMPTED" not in text, text
 
 
-@pytest.mark.parametrize("codes, want", [((143, 143), 143), ((143, 1), 1),
-                                         ((143, None), 143), ((None, 1), 1)])
-def test_sigterm_to_the_launcher_reports_a_preemption(tmp_path, codes, want):
+@pytest.mark.parametrize("job, codes, want", [
+    ("train", (143, 143), 143), ("train", (143, 1), 1), ("train", (143, None), 143),
+    ("train", (None, 1), 1), ("check", (None, None), 1)])
+def test_sigterm_to_the_launcher_reports_a_preemption(tmp_path, job, codes, want):
   """SIGTERM to the launcher (a scheduler's notice): it passes SIGTERM on; when every process
-  saves and exits with 143 the launcher exits with 143 (it said 1), else with 1. A process
-  that the SIGTERM ends (None: no handler, as train before its training loop) stopped on the
-  notice too: the launcher exited with 1 for it, where a shell reports 143."""
+  saves and exits with 143 the launcher exits with 143 (it said 1), else with 1. A train
+  process that the SIGTERM ends (None: no handler, as before its training loop) stopped on
+  the notice too: the launcher exited with 1 for it, where a shell reports 143. A check (it
+  neither saves nor resumes) that the SIGTERM ends failed."""
   script = _stand_in(tmp_path,
                      f"if [ \"$RINGFLASH_PROCESS_ID\" = 1 ]; then code={codes[1]}; "
                      f"else code={codes[0]}; fi\n"
                      "if [ \"$code\" != None ]; then trap 'exit $code' TERM; fi\necho ready\n"
                      "for i in $(seq 600); do sleep 0.1; done\n")
   program = ("import sys; from ringflash.launch import local; "
-             f"sys.exit(local.launch(['train'], processes=2, devices_per_process=1, "
+             f"sys.exit(local.launch([{job!r}], processes=2, devices_per_process=1, "
              f"log_dir={str(tmp_path / 'logs')!r}, stop_timeout_s=30, python={script!r}))")
   launcher = subprocess.Popen([PYTHON, "-c", program], env=job_env(), cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -423,7 +447,9 @@ def test_sigterm_to_the_launcher_reports_a_preemption(tmp_path, codes, want):
   reader.join(5)
   text = "".join(lines)
   assert "Traceback" not in text, text
-  if None in codes and want == 143:
+  if job == "check":
+    assert "process 1: killed by signal SIGTERM" in text and "PREEMPTED" not in text, text
+  elif None in codes and want == 143:
     assert "process 1: killed by signal SIGTERM" in text, text
     assert ("PREEMPTED: all 2 processes stopped on a preemption notice; processes [1] were "
             "ended by its SIGTERM outside their training loop") in text, text
