@@ -378,7 +378,13 @@ def overflowed_rows(out, lse):
   Args:
     out [B, T, N, Hv], lse [B, N, T] float32 (after sinks).
   """
-  nan = jnp.where(lse == base.LOWEST, jnp.nan, 0.0).astype(jnp.float32)   # [B, N, T]
+  return nan_where(out, lse, lse == base.LOWEST)
+
+
+def nan_where(out, lse, rows):
+  """out [B, T, N, Hv] and lse [B, N, T] with NaN added where `rows` (bool, broadcast to
+  lse's [B, N, T]) holds."""
+  nan = jnp.broadcast_to(jnp.where(rows, jnp.nan, 0.0).astype(jnp.float32), lse.shape)
   return out + nan.transpose(0, 2, 1)[..., None].astype(out.dtype), lse + nan
 
 
@@ -398,8 +404,7 @@ def finish(call: _validate.Call, out, lse, sinks, rows=None, lead_order=None, ba
     out, lse = add_sinks(out, lse, sinks)
   out, lse = overflowed_rows(out, lse)
   if bad_ids is not None:
-    nan = jnp.where(bad_ids, jnp.nan, 0.0).astype(jnp.float32)                 # [B]
-    out, lse = out + nan[:, None, None, None].astype(out.dtype), lse + nan[:, None, None]
+    out, lse = nan_where(out, lse, bad_ids[:, None, None])
   if rows is None:
     out, lse = out[:, :call.t], lse[:, :, :call.t]
   else:

@@ -89,11 +89,20 @@ def check_placed(mesh: Mesh, **arrays) -> None:
           f"NamedSharding of mesh)")
 
 
-def seq_axes(shape, axis_name) -> _validate.SeqAxes:
-  """The mesh axes the sequence is sharded over, checked against the mesh's axes."""
+def axis_names(axis_name):
+  """axis_name as a tuple of names, or None where it is not one name or a non-empty tuple of
+  distinct names."""
   names = (axis_name,) if isinstance(axis_name, str) else axis_name
   if (not isinstance(names, tuple) or not names or len(set(names)) != len(names)
-      or not all(isinstance(a, str) and a in shape for a in names)):
+      or not all(isinstance(a, str) for a in names)):
+    return None
+  return names
+
+
+def seq_axes(shape, axis_name) -> _validate.SeqAxes:
+  """The mesh axes the sequence is sharded over, checked against the mesh's axes."""
+  names = axis_names(axis_name)
+  if names is None or not all(a in shape for a in names):
     raise ValueError(f"axis_name must be a mesh axis or a tuple of distinct mesh axes; got "
                      f"{axis_name!r}, the mesh's axes are {tuple(shape)}")
   return _validate.SeqAxes(tuple(names), tuple(int(shape[a]) for a in names))

@@ -347,9 +347,8 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
     NotImplementedError: as ring_attention.
   """
   axis_name = _mesh.frozen(axis_name)
-  names = (axis_name,) if isinstance(axis_name, str) else axis_name
-  if (not isinstance(names, tuple) or not names or len(set(names)) != len(names)
-      or not all(isinstance(a, str) for a in names)):
+  names = _mesh.axis_names(axis_name)
+  if names is None:
     raise ValueError(f"axis_name must be a mesh axis name or a non-empty tuple of distinct "
                      f"ones, got {axis_name!r}")
   try:
