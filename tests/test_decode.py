@@ -262,8 +262,9 @@ def test_a_window_of_any_int32_distance_is_exact():
     _close(got, _reference(q, key, v, np.array([20]), positions=seen))
 
 
-@pytest.mark.parametrize("strategy", ["reduce", "ring", "allgather"])
-def test_lengths_near_int32_ends_are_exact(strategy):
+@pytest.mark.parametrize("strategy,backend", [("reduce", "xla"), ("ring", "xla"),
+                                              ("allgather", "xla"), ("reduce", "pallas_tpu")])
+def test_lengths_near_int32_ends_are_exact(strategy, backend):
   """Lengths were clipped to +-2**30 before the mask: row 0's queries at 2**31 - 3 and - 2
   moved to 2**30 - 2 and - 1, into a window of 2**30 + 100 of the keys at 0 .. 15 (a finite
   answer where nothing is seen); row 1's at -2**31 + 8 and + 9 moved to -2**30 - 2 and - 1,
@@ -277,7 +278,7 @@ def test_lengths_near_int32_ends_are_exact(strategy):
   got = ringflash.decode_attention(
       q, *_sharded(mesh, key, v), cache_lengths=lengths.astype(np.int32),
       cache_positions=_sharded(mesh, positions.astype(np.int32))[0], mesh=mesh,
-      local_window_size=window, strategy=strategy, return_residual=True)
+      local_window_size=window, strategy=strategy, backend=backend, return_residual=True)
   ref = _reference(q, key, v, lengths.astype(np.int32), positions=positions.astype(np.int32),
                    window=window)
   assert np.all(np.asarray(ref[0][0]) == 0) and np.all(np.isneginf(np.asarray(ref[1][0])))

@@ -230,9 +230,10 @@ def test_segment_ids_outside_int32_are_an_error_naming_them(ids):
       fn(q, key, v, mesh=helpers.mesh_of(2), segment_ids=ids)
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
 @pytest.mark.parametrize("entry", ["ring_attention", "sharded"])
 @pytest.mark.parametrize("bad", [np.iinfo(np.int32).min, np.iinfo(np.int32).max, 2**31])
-def test_traced_segment_ids_outside_int32_make_their_batch_row_nan(bad, entry):
+def test_traced_segment_ids_outside_int32_make_their_batch_row_nan(bad, entry, backend):
   """Traced ids cannot be read before the call: at int32's ends (the padding ids) or past
   them (uint32 2**31 wraps onto the smallest) they gave a finite answer for segments the
   caller never gave (0.5 off where the queries saw the padding's keys). Now the batch row
@@ -243,13 +244,13 @@ def test_traced_segment_ids_outside_int32_make_their_batch_row_nan(bad, entry):
   mesh = helpers.mesh_of(4)
   if entry == "ring_attention":
     fn = jax.jit(lambda q, k, v, ids: ringflash.ring_attention(
-        q, k, v, mesh=mesh, segment_ids=ids, return_residual=True))
-  else:
+        q, k, v, mesh=mesh, segment_ids=ids, return_residual=True, backend=backend))
+  else:      # interpreted Pallas kernels need check_vma off (ring_attention_sharded says so)
     fn = jax.jit(jax.shard_map(
         lambda q, k, v, ids: ringflash.ring_attention_sharded(
-            q, k, v, axis_name="sp", segment_ids=ids, return_residual=True),
+            q, k, v, axis_name="sp", segment_ids=ids, return_residual=True, backend=backend),
         mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(None, "sp"),),
-        out_specs=(P(None, "sp"), P(None, None, "sp"))))
+        out_specs=(P(None, "sp"), P(None, None, "sp")), check_vma=backend == "xla"))
   out, lse = (np.asarray(x) for x in fn(q, key, v, jnp.asarray(ids)))
   ref, ref_lse = helpers.oracle.attention(q[:1], key[:1], v[:1], q_seg=ids[:1].astype(np.int32),
                                           kv_seg=ids[:1].astype(np.int32))
