@@ -346,6 +346,8 @@ def _decode(query, key_cache, value_cache, cache_lengths, cache_positions, sinks
   check_vma = not spec.core.interpret and options.strategy == "reduce"
   shard_map = functools.partial(jax.shard_map, mesh=mesh, check_vma=check_vma,
                                 out_specs=(q_spec, P(batch, heads, None)))
+  if sinks is not None and call.softcap is None:   # under a cap the strategies guard q
+    query = _inputs.nan_in_query_rows(query)
   specs = (q_spec, cache_spec, cache_spec, row_spec)
   args = (query, key_cache, value_cache, lengths)
   if positions is None:

@@ -314,6 +314,30 @@ def test_scores_below_float32_make_their_token_nan_not_zero(strategy):
       _close((out, lse), ref)
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_infinite_query_with_sinks_makes_its_token_nan(softcap):
+  """A query entry of -Inf against keys positive in its component: every score it sees is
+  -inf, as if below float32's range, yet the Inf is a non-finite value the token sees, so its
+  head is NaN, out and lse, with sinks too (which would otherwise take the weight and give
+  0). Was 0 and lse the sink without a cap. Other tokens are exact."""
+  mesh = helpers.mesh_of(4)
+  q, key, v = _inputs(7, 2, 2, 64, 4, 2, 16)
+  key = jnp.abs(key) + 0.5
+  lengths = jnp.array([30, 64], jnp.int32)
+  sinks = jnp.array([0.5, -1.0, 2.0, 0.0], jnp.float32)
+  bad = q.at[0, 1, 1, 3].set(-jnp.inf)
+  out, lse = ringflash.decode_attention(bad, *_sharded(mesh, key, v), cache_lengths=lengths,
+                                        mesh=mesh, sinks=sinks, logits_soft_cap=softcap,
+                                        return_residual=True)
+  ref = _reference(q, key, v, lengths, sinks=sinks, softcap=softcap)
+  assert bool(jnp.all(jnp.isnan(out[0, 1, 1]))) and bool(jnp.isnan(lse[0, 1, 1]))
+  keep = np.ones((2, 2, 4), bool)
+  keep[0, 1, 1] = False
+  assert helpers.max_err(out[keep], ref[0][keep]) <= helpers.fp32_tol(ref[0][keep])
+  assert helpers.max_err(jnp.swapaxes(lse, 1, 2)[keep],
+                         jnp.swapaxes(ref[1], 1, 2)[keep]) <= helpers.fp32_tol(ref[1])
+
+
 def test_non_finite_in_an_unseen_slot_never_reaches_a_token():
   mesh = helpers.mesh_of(4)
   q, key, v = _inputs(5, 2, 1, 64, 4, 2, 16)

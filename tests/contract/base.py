@@ -720,13 +720,17 @@ class ContractTests:
       pytest.param("q", 2.0, False, np.nan, id="q-softcap", marks=pytest.mark.slow),
       pytest.param("q", 2.0, False, np.inf, id="q-inf-softcap"),
       pytest.param("k", 2.0, False, -np.inf, id="k-inf-softcap"),
-      pytest.param("v", None, True, np.nan, id="v-sinks")])
+      pytest.param("v", None, True, np.nan, id="v-sinks"),
+      pytest.param("q", None, True, -np.inf, id="q-neginf-sinks")])
   def test_nonfinite_values_a_row_sees_reach_it(self, where, softcap, sinks, value):
     """NaN (or Inf) in one query, key or value entry: every row that sees it is non-finite,
     and so are the gradients that depend on it; every other row and gradient is finite and
     exact (no block is dropped as if it had no key). With a soft-cap (the pallas_gpu backward
     evaluates part of its exponentials differently there; tanh would turn an infinite score
-    into a finite cap) and with sinks too."""
+    into a finite cap) and with sinks too. A query's -Inf meets keys that are positive in
+    its component: every score of its row is -inf, as if they lay below float32's range,
+    and only the Inf itself says that the row saw a non-finite value (with a sink, an
+    underflowed row's answer is finite: the sink takes the weight)."""
     self.require("ring")
     self._check_seen_nonfinite(where, value, *self._nonfinite_vocab(softcap, sinks))
 
@@ -781,6 +785,8 @@ class ContractTests:
     t, g = q.shape[1], N // case.kv_heads
     window = None if window is None else tuple(w * self.UNIT // 16 for w in window)
     j0 = t // 2 + 3                        # a position on the third device (contiguous)
+    if where == "q" and value == -np.inf:
+      k = k.at[..., 0].set(jnp.abs(k[..., 0]) + 0.5)   # every score of the row is -inf
     bad = {"q": q, "k": k, "v": v}
     bad[where] = bad[where].at[0, j0, 0, 0].set(value)
     # sees[i, j]: row i sees key j; seeing [T, N]: the rows that see the bad entry
