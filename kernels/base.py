@@ -311,9 +311,11 @@ def guard_backward(q, k, v, out, dout, lse, dlse=None):
   for the rows whose valid scores were all below float32's range (lse = LOWEST); then
   p = exp(s - lse) is NaN on exactly the visible pairs of those rows, which are the
   gradients that depend on the bad values. A row whose cotangents are all zero contributes
-  nothing, NaN or not (its lse becomes -inf, as for a row without keys): a loss that masks
-  the rows which saw a NaN gets finite, exact gradients. Rows with no valid key keep zero
-  gradients.
+  nothing, NaN or not: where its lse is not finite it becomes -inf, as for a row without
+  keys, so a loss that masks the rows which saw a NaN gets finite, exact gradients. A finite
+  row keeps its lse, so the backward stays linear in the cotangent there too (its
+  derivative with respect to a zero cotangent, which second-order methods take, is not
+  zeroed). Rows with no valid key keep zero gradients.
 
   Args:
     q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], out and dout [B, T, N, Hv],
@@ -338,7 +340,7 @@ def guard_backward(q, k, v, out, dout, lse, dlse=None):
   # A row whose valid scores were all below float32's range is NaN (the forward's
   # overflowed_rows, ringflash/_inputs.py): so are its gradients, where the loss reads it.
   lse = jnp.where(lse == LOWEST, jnp.nan, lse)
-  lse = jnp.where(silent, -jnp.inf, lse)
+  lse = jnp.where(silent & ~jnp.isfinite(lse), -jnp.inf, lse)
   return zero(q), zero(k), zero(v), zero(out), zero(dout), lse, dlse
 
 

@@ -316,10 +316,11 @@ def _sink_weight(lse, sink):
 
 
 def _times(g, x):
-  """g * x, except 0 where the cotangent g is 0: a row whose output the loss ignores carries
-  nothing back, even when it saw a NaN (the non-finite rule; kernels/base.guard_backward
-  reads such a row as silent)."""
-  return jnp.where(g == 0, 0.0, g * x)
+  """g * x, except 0 where the cotangent g is 0 and x is not finite: a row whose output the
+  loss ignores carries nothing back, even when it saw a NaN (the non-finite rule;
+  kernels/base.guard_backward reads such a row as silent). Where x is finite the product
+  stays, so its derivative with respect to g is x, also at g = 0."""
+  return jnp.where((g == 0) & ~jnp.isfinite(x), 0.0, g * x)
 
 
 @jax.custom_vjp

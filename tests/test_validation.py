@@ -425,6 +425,41 @@ def test_second_derivatives_run_on_xla_and_name_the_pallas_backend_that_has_none
                                              backend="pallas_tpu"))
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_the_backward_is_linear_in_the_cotangent_where_it_is_zero(sinks):
+  """The vjp of the vjp at a zero cotangent (a forward-mode derivative from reverse mode,
+  which large models use where jax.jvp is refused), and J J^T u with rows of u zero: the xla
+  backend matches the oracle. Rows whose cotangent was exactly 0 were taken as silent (lse
+  -inf; the sinks' backward a 0 for g * x), so these derivatives were 0 there, silently."""
+  import oracle  # pylint: disable=g-import-not-at-top
+  q, key, v, tangent = (jax.random.normal(jax.random.PRNGKey(i), (B, 16, 2, 8))
+                        for i in range(4))
+  sink = jnp.array([0.5, -0.3], jnp.float32) if sinks else None
+  mesh = helpers.mesh_of(2)
+
+  def ours(q, key):
+    return ringflash.ring_attention(q, key, v, mesh=mesh, is_causal=True, backend="xla",
+                                    sinks=sink)
+
+  def theirs(q, key):
+    return oracle.attention(q, key, v, causal=True, sinks=sink)[0]
+
+  def jvp_by_two_vjps(attn):
+    _, pull = jax.vjp(lambda q: attn(q, key), q)
+    _, pull_back = jax.vjp(pull, jnp.zeros((B, 16, 2, 8), jnp.float32))
+    return pull_back((tangent,))[0]
+
+  def gauss_newton(attn):          # d/du |J^T u|^2 = 2 J J^T u, J = d out / d key
+    u = tangent.at[:, :6].set(0.0)
+    _, pull = jax.vjp(lambda key: attn(q, key), key)
+    return jax.grad(lambda u: jnp.sum(pull(u)[0] ** 2))(u)
+
+  for how in (jvp_by_two_vjps, gauss_newton):
+    want = how(theirs)
+    assert float(jnp.max(jnp.abs(want))) > 0.1
+    np.testing.assert_allclose(np.asarray(how(ours)), np.asarray(want), rtol=2e-4, atol=2e-4)
+
+
 @pytest.mark.parametrize("dims", ["b", "8*u"])
 def test_symbolic_sizes_of_jax_export_are_refused_by_name(dims):
   """jax.export with a shape-polymorphic batch or sequence failed inside JAX (an
