@@ -331,7 +331,10 @@ def ring_attention_sharded(query, key, value, *, axis_name: str, is_causal: bool
   Args:
     query: [..., T_local, N, H] this device's shard.
     key: [..., S_local, K, H]; value: [..., S_local, K, Hv].
-    axis_name: the manual mesh axis forming the ring.
+    axis_name: the manual mesh axis forming the ring, or a tuple of them in the order the
+      caller's in_specs split the sequence over them (P(None, ("a", "b")) needs
+      ("a", "b")): inside a shard_map that order cannot be read, only which axes q varies
+      over, so another order is not refused and gives the shards wrong positions.
     is_causal, scale, segment_ids, return_residual, backend, block_sizes, layout,
       local_window_size, bidirectional, sinks, logits_soft_cap, query_seq_lengths,
       key_value_seq_lengths, strategy: as ring_attention, with local shapes (zigzag needs
