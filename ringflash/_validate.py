@@ -127,6 +127,9 @@ def check_jit_arguments(**arrays) -> None:
 
 
 INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+# The longest sequence ring_attention takes (whole, over the ring): its positions are int32,
+# and a length that does not fit the ring or the tiles is padded up past it.
+MAX_TOKENS = 2**30
 
 
 def int32_clipped(x, lower: int = 0, upper: int = INT32_MAX):
@@ -243,6 +246,13 @@ def check_call(query, key, value, *, segment_ids=None, scale=None, backend="auto
   if min(qs) == 0 or min(ks) == 0 or hv == 0:
     raise ValueError(f"query, key and value must be non-empty, got query={qs}, key={ks}, "
                      f"value={vs}")
+  for name, length in (("query", t), ("key", s)):
+    whole = length * (ring_size if local else 1)
+    if whole > MAX_TOKENS:
+      raise ValueError(
+          f"{name} sequence length must be at most 2**30 = {MAX_TOKENS} tokens (positions "
+          f"are int32, with room for the padding), got {whole}" + (
+              f" ({length} on each of the {ring_size} devices)" if local else ""))
   scale = 1.0 / math.sqrt(h) if scale is None else positive_number("scale", scale)
   softcap = soft_cap(logits_soft_cap)
   segments = _check_segments(segment_ids, lead, t, s)

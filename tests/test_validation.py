@@ -460,6 +460,26 @@ def test_the_backward_is_linear_in_the_cotangent_where_it_is_zero(sinks):
     np.testing.assert_allclose(np.asarray(how(ours)), np.asarray(want), rtol=2e-4, atol=2e-4)
 
 
+def test_sequences_past_int32_positions_are_refused_by_name():
+  """A sequence of more than 2**30 tokens: its positions (int32) overflowed inside the ring's
+  plan, an OverflowError naming nothing; now a ValueError naming the argument, for the
+  whole sequence and for shards that make one over the ring."""
+  mesh = helpers.mesh_of(2)
+  long = jax.ShapeDtypeStruct((1, 2**31 + 8, 1, 8), jnp.bfloat16)
+  short = jax.ShapeDtypeStruct((1, 64, 1, 8), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"query sequence length must be at most 2\*\*30 = "
+                                       r"1073741824 tokens .*got 2147483656"):
+    jax.eval_shape(lambda q, k: ringflash.ring_attention(q, k, k, mesh=mesh), long, short)
+  with pytest.raises(ValueError, match=r"key sequence length must be at most 2\*\*30"):
+    jax.eval_shape(lambda q, k: ringflash.ring_attention(q, k, k, mesh=mesh), short, long)
+  sharded = jax.shard_map(
+      lambda q: ringflash.ring_attention_sharded(q, q, q, axis_name="sp"), mesh=mesh,
+      in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+  with pytest.raises(ValueError, match=r"query sequence length .* got 1073741840 \(536870920 "
+                                       r"on each of the 2 devices\)"):
+    jax.eval_shape(sharded, jax.ShapeDtypeStruct((1, 2**30 + 16, 1, 8), jnp.bfloat16))
+
+
 @pytest.mark.parametrize("dims", ["b", "8*u"])
 def test_symbolic_sizes_of_jax_export_are_refused_by_name(dims):
   """jax.export with a shape-polymorphic batch or sequence failed inside JAX (an
