@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import ringflash
 from ringflash import reference as dense
+from ringflash.cli import MAX_SEQ_LEN
 from ringflash.cli import UsageError
 from ringflash.cli import define_float
 from ringflash.cli import command_flags
@@ -46,7 +47,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   fv = {"flag_values": flag_values}
   flags.DEFINE_integer("batch", 1, "B, global batch", lower_bound=1, **fv)
   flags.DEFINE_integer("seq_len", 256, "T = S, global sequence length; divisible by "
-                       "the number of global devices", lower_bound=1, **fv)
+                       "the number of global devices", lower_bound=1,
+                       upper_bound=MAX_SEQ_LEN, **fv)
   flags.DEFINE_integer("heads", 2, "N, query heads", lower_bound=1, **fv)
   flags.DEFINE_integer("kv_heads", 1, "K, key/value heads (N % K == 0)", lower_bound=1, **fv)
   flags.DEFINE_integer("head_dim", 32, "H", lower_bound=1, **fv)

@@ -41,6 +41,8 @@ FLAGS = flags.FLAGS
 
 # absl's own flags this command reads (listed by --help with the ones it defines).
 ABSL_FLAGS = ("log_dir",)
+# `launch local` starts its processes on this machine: a mistyped count is refused, not forked.
+MAX_PROCESSES = 256
 
 
 def define_flags() -> None:
@@ -56,10 +58,11 @@ def define_flags() -> None:
       "start-up timeout of every process (RINGFLASH_INIT_TIMEOUT_S)", lower_bound=1,
       upper_bound=2**31 - 1)
   # local
-  flags.DEFINE_integer("processes", 2, "local: N, processes to start",
-                       lower_bound=1)
+  flags.DEFINE_integer("processes", 2, "local: N, processes to start on this machine",
+                       lower_bound=1, upper_bound=MAX_PROCESSES)
   flags.DEFINE_integer("devices_per_process", 4,
-                       "local: M, devices per process (CPU devices, or GPUs)", lower_bound=1)
+                       "local: M, devices per process (CPU devices, or GPUs)", lower_bound=1,
+                       upper_bound=ringflash_cli.MAX_CPU_DEVICES)
   flags.DEFINE_enum("platform", "cpu", list(local.PLATFORMS),
                     "local: cpu (simulated devices, gloo) or gpu (M of this machine's GPUs "
                     "per process, NCCL)")
@@ -181,7 +184,10 @@ def check_job(job: list[str], *, devices: int | None, processes: int = 1,
       if flag.name not in values:
         values[flag.name] = copy.deepcopy(flag)
   try:
-    rest = values([name, *job[1:]])
+    try:
+      rest = values([name, *job[1:]])
+    except ValueError as err:     # absl's `--noflag=value`: a ValueError, not a flags.Error
+      raise UsageError(str(err)) from None
     if len(rest) > 1:
       raise UsageError(f"takes flags only, got the argument(s) {' '.join(rest[1:])}")
     if platform != "cpu" and "platform" in values and values.platform == "cpu":

@@ -80,6 +80,13 @@ class TaskConfig:
                        f"(the store)")
     if self.num_queries > half:
       raise ValueError(f"num_queries={self.num_queries} must be <= seq_len / 2 = {half}")
+    if self.vocab_size > MAX_VOCAB:
+      # The embedding and its optimizer state grow with it: a mistyped size asked for
+      # hundreds of GiB, and the job waited for an allocation that never came back.
+      big = max(("num_fillers", "num_keys", "num_values"), key=lambda n: getattr(self, n))
+      raise ValueError(f"{big}={getattr(self, big)} makes the vocabulary (num_fillers + "
+                       f"num_keys x (num_values + 1) + num_values) {self.vocab_size} token "
+                       f"ids; it must be at most 2**20 = {MAX_VOCAB}")
 
   @property
   def pair_base(self) -> int:
@@ -104,6 +111,9 @@ class TaskConfig:
   def pair_token(self, key, value):
     """Token id of the pair (key, value); works elementwise on arrays."""
     return self.pair_base + key * self.num_values + value
+
+
+MAX_VOCAB = 2**20
 
 
 @dataclasses.dataclass(frozen=True)

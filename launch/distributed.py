@@ -62,6 +62,7 @@ import traceback
 import jax
 import numpy as np
 
+from ringflash.cli import MAX_CPU_DEVICES
 from ringflash.cli import UsageError
 
 ENV_COORDINATOR = "RINGFLASH_COORDINATOR"
@@ -138,7 +139,8 @@ def initialize() -> Processes:
     return _joined
 
   timeout_s = _env_int(ENV_INIT_TIMEOUT_S, DEFAULT_INIT_TIMEOUT_S, minimum=1)
-  devices_per_process = _env_int(ENV_DEVICES_PER_PROCESS, None, minimum=1)
+  devices_per_process = _env_int(ENV_DEVICES_PER_PROCESS, None, minimum=1,
+                                 maximum=MAX_CPU_DEVICES)
   if os.environ.get(ENV_PROCESS_ID) and not os.environ.get(ENV_NUM_PROCESSES):
     # Else it would be ignored: a process meant to join a job would run alone.
     raise BadEnvironment(f"{ENV_PROCESS_ID} is set ({os.environ[ENV_PROCESS_ID]!r}) but "

@@ -49,6 +49,7 @@ import time
 from absl import flags
 from absl import logging
 
+from ringflash.cli import MAX_CPU_DEVICES
 from ringflash.cli import UsageError
 from ringflash.cli import define_float
 
@@ -66,7 +67,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   flags.DEFINE_integer("data_parallel", 1, "Devices of the data (batch) axis.", lower_bound=1,
                        **fv)
   flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (platform cpu).",
-                       lower_bound=1, **fv)
+                       lower_bound=1, upper_bound=MAX_CPU_DEVICES, **fv)
   flags.DEFINE_enum("platform", "cpu", ["cpu", "default"], "cpu: the simulated CPU mesh; "
                     "default: whatever accelerator JAX finds.", **fv)
   flags.DEFINE_integer("batch_size", 2, "Sequences decoded together, divisible by "

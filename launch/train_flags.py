@@ -17,6 +17,8 @@ from typing import Any
 
 from absl import flags
 
+from ringflash.cli import MAX_CPU_DEVICES
+from ringflash.cli import MAX_SEQ_LEN
 from ringflash.cli import UsageError
 from ringflash.cli import define_float
 from ringflash.launch import distributed
@@ -44,13 +46,15 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   positive("steps", 240, "Training steps to run in total, counted from step 0 (a resumed run "
            "stops at this step too; it may be raised on resume, and the learning rate's "
            "cosine decay then follows the new total).", upper_bound=MAX_STEPS)
-  positive("seq_len", 4096, "Tokens per sequence: even, divisible by --ring.")
+  positive("seq_len", 4096, "Tokens per sequence: even, divisible by --ring.",
+           upper_bound=MAX_SEQ_LEN)
   positive("batch_size", 2, "Global batch size (sequences per step), divisible by "
            "--data_parallel.")
   positive("data_parallel", 2, "Mesh size of the data (batch) axis.")
   positive("ring", 4, "Mesh size of the ring (sequence) axis \"sp\"; data_parallel x ring "
            "devices are used.")
-  positive("cpu_devices", 8, "Simulated CPU devices per process (platform cpu).")
+  positive("cpu_devices", 8, "Simulated CPU devices per process (platform cpu).",
+           upper_bound=MAX_CPU_DEVICES)
   flags.DEFINE_enum("platform", "cpu", ["cpu", "default"], "cpu: the simulated CPU mesh; "
                     "default: whatever accelerator JAX finds.", **fv)
   positive("d_model", 64, "Model width, divisible by --num_heads.")

@@ -14,8 +14,8 @@ import pytest
 _LIBTPU = importlib.util.find_spec("libtpu") is not None
 
 
-def _run(*args, script=None):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _run(*args, script=None, platforms="cpu"):
+  env = dict(os.environ, JAX_PLATFORMS=platforms)
   cmd = [sys.executable] + (["-c", script] if script else ["-m", "ringflash.cli"]) + list(args)
   return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
@@ -62,6 +62,32 @@ def _run(*args, script=None):
     ("train", ["--learning_rate=inf"], "--learning_rate"),
     ("train", ["--rope_base=inf"], "--rope_base"),
     ("train", ["--save_every=5"], "--checkpoint_dir"),
+    # absl's `--noflag=value` is a ValueError, not a flags.Error: it was a traceback
+    ("demo", ["--nocausal=1"], "--nocausal=1"),
+    ("plan", ["--nocausal=false"], "--nocausal=false"),
+    ("launch", ["local", "--nodry_run=1", "--", "check"], "--nodry_run=1"),
+    ("launch", ["local", "--", "check", "--nocausal=1"], "--nocausal=1"),
+    # Sizes past the bounds: host arrays of 512 GiB, device counts that took minutes to build,
+    # a vocabulary whose allocation never came back, and floats that float32 makes 0 or inf
+    # (the runs trained on NaN and exited 0)
+    ("plan", ["--seq_len=1099511627776"], "--seq_len"),
+    ("plan", ["--seq_len=9223372036854775800"], "--seq_len"),
+    ("bench", ["--mode=longest", "--seq_lens=99999999998"], "--seq_lens"),
+    ("demo", ["--devices=100000"], "--devices"),
+    ("train", ["--cpu_devices=100000"], "--cpu_devices"),
+    ("generate", ["--cpu_devices=100000"], "--cpu_devices"),
+    ("launch", ["local", "--processes=100000", "--", "check"], "--processes"),
+    ("launch", ["local", "--devices_per_process=100000", "--", "check"],
+     "--devices_per_process"),
+    ("train", ["--num_values=1000000000"], "--num_values"),
+    ("train", ["--num_fillers=3000000000"], "--num_fillers"),
+    ("train", ["--rope_base=1e-300"], "--rope_base"),
+    ("train", ["--learning_rate=1e300"], "--learning_rate"),
+    ("check", ["--tolerance=1e-45"], "--tolerance"),
+    # a mode that runs one K given several: all but one were dropped silently
+    ("bench", ["--mode=longest", "--seq_lens=64", "--heads=4", "--kv_heads=2,4"],
+     "--kv_heads"),
+    ("bench", ["--mode=features", "--kv_heads=16,4"], "--kv_heads"),
 ])
 def test_a_bad_flag_is_one_line_and_status_2(sub, args, names):
   done = _run(sub, *args)
@@ -259,13 +285,57 @@ def test_help_into_a_closed_pipe_ends_without_a_traceback(sub):
   assert err == "", err[-2000:]
 
 
+def test_devices_per_process_past_the_bound_is_one_line():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", RINGFLASH_DEVICES_PER_PROCESS="100000")
+  done = subprocess.run([sys.executable, "-m", "ringflash.cli", "check", "--seq_len=8"],
+                        env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2 and done.stderr.splitlines() == [
+      "ringflash check: RINGFLASH_DEVICES_PER_PROCESS must be in 1..4096, got 100000"], (
+          done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("platforms,says", [("cpux", "Unable to initialize backend 'cpux'"),
+                                            ("cuda", "")])
+def test_a_jax_platforms_that_starts_no_backend_is_one_line(platforms, says):
+  """JAX_PLATFORMS naming an unknown platform (RuntimeError) or one whose plugin is missing
+  (JAX's AssertionError): each was a traceback of some 40 lines through JAX."""
+  if platforms == "cuda" and importlib.util.find_spec("jax_cuda12_plugin") is not None:
+    pytest.skip("a CUDA plugin is installed")
+  done = _run("demo", "--seq_len=64", platforms=platforms)
+  assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+  assert done.stderr.splitlines() == [done.stderr.strip()]
+  assert done.stderr.startswith(f"ringflash demo: JAX_PLATFORMS={platforms}: no JAX backend")
+  assert says in done.stderr
+
+
+def test_host_memory_that_valid_sizes_exceed_is_one_line():
+  """numpy's allocation error (a MemoryError) for sizes no flag bound refuses, e.g. `plan`'s
+  [P, P] tables for a topology of a million chips: a traceback before, now one line and
+  status 1 (no flag is wrong)."""
+  script = textwrap.dedent("""
+      import sys
+      from ringflash.cli import run
+      from ringflash.cli import demo
+      def main(argv):
+        raise MemoryError("Unable to allocate 7.28 TiB for an array with shape (1000000, "
+                          "1000000, 1) and data type int64")
+      demo.main = main
+      run(["ringflash", "demo"] + sys.argv[1:])
+      """)
+  done = _run("--seq_len=64", script=script)
+  assert done.returncode == 1 and done.stderr.splitlines() == [
+      "ringflash demo: out of host memory: Unable to allocate 7.28 TiB for an array with "
+      "shape (1000000, 1000000, 1) and data type int64"], done.stderr[-2000:]
+
+
 def test_valid_flags_past_the_devices_memory_are_one_line():
   """A length the host cannot hold: the runtime's RESOURCE_EXHAUSTED came with some 40 lines
   of traceback through JAX; now its message in one line, and status 1 (no flag is wrong).
   A device's share (2^54 bytes) is past any host's address space: smaller shares can be
   granted by an overcommitting kernel and then end in its OOM killer (SIGKILL, a 128 GiB
   host) instead of the runtime's error."""
-  run = _run("demo", "--seq_len=2147483648", "--reference_chunk=2147483648", "--batch=65536")
+  run = _run("demo", "--seq_len=1073741824", "--reference_chunk=1073741824",
+             "--batch=131072")
   assert run.returncode == 1, run.stderr[-2000:]
   assert "Traceback" not in run.stderr, run.stderr[-3000:]
   assert run.stderr.splitlines()[-1].startswith(

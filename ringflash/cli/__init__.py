@@ -8,7 +8,9 @@ A user's mistake is one line on stderr and exit status 2, before any work: a fla
 not parse, a positional argument where none is taken, or a `UsageError` that a subcommand's
 `main` raises while checking its flags (it checks them all before it touches a device).
 A subcommand that takes positional arguments (`launch`) sets `TAKES_ARGUMENTS = True`.
-Float flags are defined with `define_float`, which refuses NaN and infinities while parsing.
+Float flags are defined with `define_float`, which refuses NaN, infinities and values
+float32 cannot hold while parsing. Sizes are bounded (MAX_SEQ_LEN, MAX_CPU_DEVICES), so that
+a mistyped one is refused instead of building host arrays or devices for minutes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ import math
 import os
 import sys
 import textwrap
+
+# The longest sequence a command takes: ring_attention's own bound (_validate.MAX_TOKENS),
+# given here so that a flag's parser refuses it before anything is built for it.
+MAX_SEQ_LEN = 2**30
+# Simulated CPU devices per process: XLA builds them one by one, in time that grows faster
+# than their number (100000 did not finish in minutes).
+MAX_CPU_DEVICES = 4096
 
 # name -> (module, one-line help). Modules are imported only when chosen.
 SUBCOMMANDS = {
@@ -54,13 +63,21 @@ def define_float(name: str, default: float, help_: str, **kwargs) -> None:
   absl's bounds let NaN through (every comparison with it is false), and NaN or an infinity
   would silently turn off what the flag sets (a time limit, a tolerance) or ruin a run (a
   learning rate): both are refused while parsing, `flag --timeout_s=nan: must be a finite
-  number`.
+  number`. So is a number that float32, in which the programs compute, would turn into an
+  infinity or 0 (`--learning_rate=1e300`, `--rope_base=1e-300` trained on NaN and exited
+  0): 0, or a magnitude from float32's smallest normal 1.2e-38 to its largest 3.4e38.
   """
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags.DEFINE_float(name, default, help_, **kwargs)
-  flags.register_validator(name, lambda value: value is None or math.isfinite(value),
-                           message="must be a finite number",
+  flags.register_validator(name, lambda value: value is None or _float32_number(value),
+                           message="must be a finite number that float32 holds: 0, or "
+                                   "1.2e-38 <= |x| <= 3.4e38",
                            flag_values=kwargs.get("flag_values", flags.FLAGS))
+
+
+def _float32_number(value: float) -> bool:
+  tiny, big = 1.1754943508222875e-38, 3.4028234663852886e38     # float32's normal range
+  return math.isfinite(value) and (value == 0 or tiny <= abs(value) <= big)
 
 
 def _flag_help(flag) -> str:
@@ -74,6 +91,15 @@ def _usage() -> str:
   lines = ["usage: ringflash <subcommand> [--flags]   (ringflash <subcommand> --help)", ""]
   lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
   return "\n".join(lines)
+
+
+def _starting_jax(err: BaseException) -> bool:
+  """Whether err was raised where JAX starts its backends (JAX_PLATFORMS naming a platform
+  that is unknown, or whose plugin or device is missing, ends there with a RuntimeError or
+  an AssertionError)."""
+  import traceback  # pylint: disable=g-import-not-at-top
+  frames = traceback.extract_tb(err.__traceback__)
+  return bool(frames) and os.path.basename(frames[-1].filename) == "xla_bridge.py"
 
 
 def _fail(name: str, message: str) -> None:
@@ -128,7 +154,7 @@ def _run(argv: list[str]) -> None:
   def parse(args):
     try:
       rest = flags.FLAGS(args)
-    except flags.Error as err:
+    except (flags.Error, ValueError) as err:  # `--noflag=value` is absl's plain ValueError
       _fail(name, err)
     if len(rest) > 1 and not getattr(module, "TAKES_ARGUMENTS", False):
       _fail(name, f"takes flags only, got the argument(s) {' '.join(rest[1:])}")
@@ -139,7 +165,16 @@ def _run(argv: list[str]) -> None:
       return module.main(args)
     except UsageError as err:
       _fail(name, err)
+    except MemoryError as err:
+      # Valid sizes whose host arrays this machine cannot hold (numpy's allocation error).
+      print(f"ringflash {name}: out of host memory: {' '.join(str(err).split())}",
+            file=sys.stderr, flush=True)
+      sys.exit(1)
     except Exception as err:  # pylint: disable=broad-except
+      if _starting_jax(err) and os.environ.get("JAX_PLATFORMS"):
+        _fail(name, f"JAX_PLATFORMS={os.environ['JAX_PLATFORMS']}: no JAX backend of it "
+                    f"starts here: {str(err) or type(err).__name__} (unset it, or name a platform "
+                    f"this machine has)")
       # Flags that are valid but ask for more memory than the devices have: the runtime's
       # message in one line, without the traceback through JAX.
       jax = sys.modules.get("jax")             # only JAX's runtime raises it

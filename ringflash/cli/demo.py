@@ -14,6 +14,8 @@ import numpy as np
 from absl import flags
 
 from ringflash import introspect
+from ringflash.cli import MAX_CPU_DEVICES
+from ringflash.cli import MAX_SEQ_LEN
 from ringflash.cli import UsageError
 
 FLAGS = flags.FLAGS
@@ -24,14 +26,16 @@ BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 def define_flags() -> None:
   """Defines this command's flags on absl's FLAGS. The ringflash command calls it once
   before parsing; importing the module (as tests do) defines nothing."""
-  flags.DEFINE_integer("seq_len", 16384, "tokens in the sequence (T = S)")
+  flags.DEFINE_integer("seq_len", 16384, "tokens in the sequence (T = S)",
+                       upper_bound=MAX_SEQ_LEN)
   flags.DEFINE_integer("batch", 1, "batch size B")
   flags.DEFINE_integer("heads", 4, "query heads N")
   flags.DEFINE_integer("kv_heads", 2, "key/value heads K (N % K == 0)")
   flags.DEFINE_integer("head_dim", 64, "head dimension H")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "input dtype")
   flags.DEFINE_bool("causal", True, "causal masking")
-  flags.DEFINE_integer("devices", 8, "simulated CPU devices when no accelerator is present")
+  flags.DEFINE_integer("devices", 8, "simulated CPU devices when no accelerator is present",
+                       upper_bound=MAX_CPU_DEVICES)
   flags.DEFINE_enum("backend", "auto", list(BACKENDS), "kernel backend")
   flags.DEFINE_integer("reference_chunk", 1024, "query rows per step of the dense reference")
 

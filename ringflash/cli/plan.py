@@ -46,6 +46,7 @@ import tempfile
 
 from absl import flags
 
+from ringflash.cli import MAX_SEQ_LEN
 from ringflash.cli import UsageError
 from ringflash.cli import hlo
 from ringflash.cli.memory import Shapes
@@ -68,7 +69,8 @@ def define_flags() -> None:
                       f"<AxB>, generation one of {', '.join(HBM_BYTES)}; e.g. v5p:4x4x4 "
                       f"({', '.join(PLANAR)}: 2-D, e.g. v5e:4x8)")
   flags.DEFINE_integer("batch", 1, "batch size B")
-  flags.DEFINE_integer("seq_len", 131072, "global sequence length T (= S)")
+  flags.DEFINE_integer("seq_len", 131072, "global sequence length T (= S)",
+                       upper_bound=MAX_SEQ_LEN)
   flags.DEFINE_integer("heads", 32, "query heads N")
   flags.DEFINE_integer("kv_heads", 8, "key/value heads K (N % K == 0)")
   flags.DEFINE_integer("head_dim", 128, "head dimension H")

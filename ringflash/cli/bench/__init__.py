@@ -57,6 +57,7 @@ import os
 import jax
 from absl import flags
 
+from ringflash.cli import MAX_SEQ_LEN
 from ringflash.cli import UsageError
 from ringflash.cli import command_flags
 from ringflash.cli.bench import harness
@@ -143,6 +144,10 @@ MODE_FLAGS = {
 }
 
 
+# The modes that run one kv-head count (the others run a row per --kv_heads entry).
+ONE_KV_HEADS = ("features", "longest")
+
+
 def _ints(f, name: str) -> list[int]:
   """The entries of list flag --name as ints, each >= 1."""
   values = getattr(f, name)
@@ -156,6 +161,8 @@ def _ints(f, name: str) -> list[int]:
       value = None
     if value is None or value < 1:
       raise UsageError(f"--{name} takes integers >= 1, got {text!r}")
+    if value > MAX_SEQ_LEN:
+      raise UsageError(f"--{name} takes integers up to 2**30 = {MAX_SEQ_LEN}, got {text}")
     out.append(value)
   return out
 
@@ -193,6 +200,11 @@ def check_flags(f, given=()) -> None:
   for kh in _ints(f, "kv_heads"):
     if f.heads % kh:
       raise UsageError(f"--kv_heads entries must divide --heads={f.heads} (GQA), got {kh}")
+  if f.mode in ONE_KV_HEADS and "kv_heads" in given and len(f.kv_heads) != 1:
+    # Without the flag each takes its entry of the default (features the first, longest
+    # the last); given, the others would be dropped silently.
+    raise UsageError(f"--mode={f.mode} runs one K: give --kv_heads one entry, got "
+                     f"{','.join(f.kv_heads)}")
   causal = [c.lower() for c in f.causal]
   if not causal or any(c not in ("true", "false") for c in causal):
     raise UsageError(f"--causal takes entries true or false, got {','.join(f.causal)!r}")
@@ -269,7 +281,7 @@ def _check_feature_rows(f, given=()) -> None:
 
 def given_flags(f) -> list[str]:
   """The flags of check_flags' `given` that the command line set."""
-  return [name for name in (*MODE_FLAGS, "head_dim") if f[name].present]
+  return [name for name in (*MODE_FLAGS, "head_dim", "kv_heads") if f[name].present]
 
 
 def job_from_flags(values: flags.FlagValues, *, folders: bool = True) -> None:
