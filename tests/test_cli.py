@@ -285,6 +285,12 @@ def test_help_into_a_closed_pipe_ends_without_a_traceback(sub):
   assert err == "", err[-2000:]
 
 
+def test_the_commands_bound_sequences_as_the_library_does():
+  from ringflash import _validate  # pylint: disable=g-import-not-at-top
+  from ringflash import cli  # pylint: disable=g-import-not-at-top
+  assert cli.MAX_SEQ_LEN == _validate.MAX_TOKENS
+
+
 def test_devices_per_process_past_the_bound_is_one_line():
   env = dict(os.environ, JAX_PLATFORMS="cpu", RINGFLASH_DEVICES_PER_PROCESS="100000")
   done = subprocess.run([sys.executable, "-m", "ringflash.cli", "check", "--seq_len=8"],

@@ -173,8 +173,8 @@ def _run(argv: list[str]) -> None:
     except Exception as err:  # pylint: disable=broad-except
       if _starting_jax(err) and os.environ.get("JAX_PLATFORMS"):
         _fail(name, f"JAX_PLATFORMS={os.environ['JAX_PLATFORMS']}: no JAX backend of it "
-                    f"starts here: {str(err) or type(err).__name__} (unset it, or name a platform "
-                    f"this machine has)")
+                    f"starts here: {str(err) or type(err).__name__} (unset it, or name a "
+                    f"platform this machine has)")
       # Flags that are valid but ask for more memory than the devices have: the runtime's
       # message in one line, without the traceback through JAX.
       jax = sys.modules.get("jax")             # only JAX's runtime raises it
