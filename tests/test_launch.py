@@ -699,7 +699,7 @@ def test_every_subcommand_is_a_joining_or_a_single_process_job():
     (["local", "--", "train", "--ring=16"],
      "job train: --data_parallel=2 x --ring=16 needs 32 devices, the job has 8"),
     (["local", "--", "train", "--seq_len=0"],
-     "job train: flag --seq_len=0: 0 is not a positive integer"),
+     "job train: flag --seq_len=0: 0 is not an integer in the range [1, 1073741824]"),
     (["local", "--", "check", "extra"], "job check: takes flags only, got the argument(s) extra"),
     (["local", "--name=slice", "--", "check"],
      "--name is a flag of `launch tpu`, not `launch local`"),

@@ -130,7 +130,7 @@ def test_every_query_is_answered_by_its_pair_in_the_first_half():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--seq_len=0"], "flag --seq_len=0: 0 is not a positive integer"),
+    (["--seq_len=0"], "flag --seq_len=0: 0 is not an integer in the range [1, 1073741824]"),
     (["--batch_size=3"], "--batch_size=3 must be divisible by --data_parallel=2"),
     (["--ring=16"], "--data_parallel=2 x --ring=16 needs 32 devices, the job has 8"),
     (["extra"], "takes flags only, got the argument(s) extra"),
