@@ -38,7 +38,7 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
   T != S, query i sees keys j <= i (jax.nn's top-left alignment).
 
   Args:
-    query: [..., T, N, H].
+    query: [..., T, N, H]; T and S at most 2**30 tokens (int32 positions).
     key: [..., S, K, H], N % K == 0, the same leading dims.
     value: [..., S, K, Hv]; Hv may differ from H (e.g. MLA's 192 / 128).
     mesh: the device mesh; None takes the mesh of jax.set_mesh where one is set, else
