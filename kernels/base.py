@@ -296,8 +296,15 @@ def guard_q(q, softcap):
   """
   if softcap is None:
     return q
-  bad = ~jnp.all(jnp.isfinite(q), axis=-1, keepdims=True)                 # [B, T, N, 1]
-  return jnp.where(bad, jnp.asarray(jnp.nan, q.dtype), q)
+  return nan_query_rows(q)
+
+
+def nan_query_rows(q):
+  """q [..., T, N, H] with every query row (one token, one head) that holds a NaN or Inf made
+  all NaN. NaN is added, so where JAX differentiates it (outside a custom_vjp) the cotangent
+  of q passes as it is. Elementwise, O(T * H)."""
+  bad = ~jnp.all(jnp.isfinite(q), axis=-1, keepdims=True)                 # [..., T, N, 1]
+  return jnp.where(bad, q + jnp.asarray(jnp.nan, q.dtype), q)
 
 
 def guard_backward(q, k, v, out, dout, lse, dlse=None):

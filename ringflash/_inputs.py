@@ -209,8 +209,12 @@ def canonical(call: _validate.Call, query, key, value, segment_ids, q_lengths, k
   q, k, v = (_fit(x, n, r) for x, n, r in ((rows, t_len, q_rows),
                                            (flat(key), s_len, k_rows),
                                            (flat(value), s_len, k_rows)))
-  if call.sinks and call.softcap is None:      # under a cap the strategies guard q
-    q = nan_in_query_rows(q)
+  if call.sinks and call.softcap is None:
+    # The rule: a row whose query holds a NaN or Inf is non-finite. A -Inf against keys
+    # positive in its component gives only scores of -inf, which the kernels cannot tell
+    # from scores below float32's range (overflowed_rows), and a sink would then take the
+    # row's weight: a finite answer. Under a cap the strategies' guard_q does it.
+    q = base.nan_query_rows(q)
   if not (call.masked_by_ids or _validate.padding_needs_ids(call, t_len, s_len)):
     return q, k, v, None, None, None
   b = q.shape[0]
@@ -382,18 +386,6 @@ def overflowed_rows(out, lse):
     out [B, T, N, Hv], lse [B, N, T] float32 (after sinks).
   """
   return nan_where(out, lse, lse == base.LOWEST)
-
-
-def nan_in_query_rows(q):
-  """q [..., T, N, H] with every query row (one token, one head) that holds a NaN or Inf
-  made all NaN, where sinks are added. The rule says such a row's answer is non-finite; a
-  -Inf meeting keys that are positive in its component gives only scores of -inf, which
-  the kernels cannot tell from scores below float32's range (overflowed_rows), and a sink
-  would then take the row's weight and give it a finite answer. NaN is added, so the
-  cotangent of q passes as it is (the strategy's backward makes the row's gradient NaN).
-  Elementwise, O(T * H); base.guard_q does the same inside the strategies under a cap."""
-  bad = ~jnp.all(jnp.isfinite(q), axis=-1, keepdims=True)
-  return jnp.where(bad, q + jnp.asarray(jnp.nan, q.dtype), q)
 
 
 def nan_where(out, lse, rows):

@@ -347,7 +347,7 @@ def _decode(query, key_cache, value_cache, cache_lengths, cache_positions, sinks
   shard_map = functools.partial(jax.shard_map, mesh=mesh, check_vma=check_vma,
                                 out_specs=(q_spec, P(batch, heads, None)))
   if sinks is not None and call.softcap is None:   # under a cap the strategies guard q
-    query = _inputs.nan_in_query_rows(query)
+    query = base.nan_query_rows(query)
   specs = (q_spec, cache_spec, cache_spec, row_spec)
   args = (query, key_cache, value_cache, lengths)
   if positions is None:
