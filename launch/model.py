@@ -28,6 +28,7 @@ import ringflash
 DATA_AXIS = "data"
 RING_AXIS = "sp"
 EMBED_INIT_STD = 0.05
+MAX_PARAMS = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,21 @@ class ModelConfig:
       raise ValueError(f"rope_base must be > 0, got {self.rope_base!r}")
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+    if self.num_params > MAX_PARAMS:
+      # Replicated on every device with their gradient and AdamW's two moments: a mistyped
+      # size (--d_ff=1000000000) asked for hundreds of GiB, and the job waited for an
+      # allocation that never came back.
+      raise ValueError(f"the model is too large: d_model={self.d_model}, d_ff={self.d_ff}, "
+                       f"num_layers={self.num_layers} and the vocabulary of {self.vocab_size} "
+                       f"token ids make {self.num_params} parameters; at most 2**30 = "
+                       f"{MAX_PARAMS} (each device holds them in float32 with their gradient "
+                       f"and AdamW's two moments: 16 GiB at the bound)")
+
+  @property
+  def num_params(self) -> int:
+    """The parameters init_params makes."""
+    d, f = self.d_model, self.d_ff
+    return 2 * self.vocab_size * d + d + self.num_layers * (4 * d * d + 2 * d * f + 2 * d)
 
   @property
   def head_dim(self) -> int:

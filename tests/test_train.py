@@ -92,6 +92,14 @@ def test_model_with_ring_attention_matches_dense_attention(monkeypatch):
                                err_msg=jax.tree_util.keystr(path))
 
 
+def test_the_parameter_bound_counts_what_init_params_makes():
+  config = _config().model
+  params = model.init_params(config, jax.random.PRNGKey(0))
+  assert config.num_params == sum(x.size for x in jax.tree.leaves(params))
+  with pytest.raises(ValueError, match="make 1073754144 parameters; at most 2"):
+    dataclasses.replace(config, d_ff=2**30 // (2 * 2 * 32) + 1)
+
+
 def test_data_is_a_function_of_seed_and_step():
   task = data.TaskConfig(seq_len=512, num_keys=12, num_pairs=6, num_copies=3, num_values=5,
                          num_queries=20)
@@ -139,6 +147,11 @@ def test_every_query_is_answered_by_its_pair_in_the_first_half():
     (["--resume"], "--resume needs --checkpoint_dir (the directory to resume from)"),
     (["--seq_len=100"], "--num_pairs=16 x num_copies=8 = 128 must be <= seq_len / 2 = 50"),
     (["--d_model=30"], "--d_model=30 / num_heads=2 = 15 (head_dim) must be even for RoPE"),
+    # a mistyped size: the job waited for hundreds of GiB that never came
+    (["--d_ff=1000000000"], "the model is too large: d_model=64, d_ff=1000000000, num_layers=1 "
+                            "and the vocabulary of 168 token ids make 128000038080 parameters; "
+                            "at most 2**30 = 1073741824"),
+    (["--d_model=1048576"], "the model is too large: d_model=1048576, d_ff=128, num_layers=1"),
     (["--backend=nope"], "--backend must be one of auto, xla, pallas_tpu, pallas_gpu, got "
                          "'nope'"),
     (["--learning_rate=inf"], "flag --learning_rate=inf: must be a finite number"),
