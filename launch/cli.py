@@ -85,7 +85,8 @@ def define_flags() -> None:
   flags.DEFINE_boolean("dry_run", False, "tpu: print the commands, run nothing")
   flags.DEFINE_string("source_dir", "", "tpu: root of the ringflash source tree "
                       "to copy; empty: the one this ringflash is installed from")
-  flags.DEFINE_string("python", "python3", "tpu: the workers' Python (>= 3.12)")
+  flags.DEFINE_string("python", "python3", "tpu: the workers' Python (>= 3.12), a word of "
+                      "their shell (~/venv/bin/python expands there)")
 
   for _flag in ("init_timeout_s", "devices_per_process", "stop_timeout_s", "timeout_s",
                 "dry_run", "source_dir", "log_dir"):
@@ -282,7 +283,13 @@ def main(argv) -> None:
                         workers=tpu.count_workers(where))
     except ValueError as err:
       raise UsageError(str(err)) from None
-  _check_dir("log_dir", folder, keep=not FLAGS.dry_run)
   plan = tpu.steps(where, job, source_dir=source_dir, log_dir=folder,
                    init_timeout_s=FLAGS.init_timeout_s, python=FLAGS.python)
+  missing = [] if FLAGS.dry_run else tpu.missing_programs(plan)
+  if missing:
+    # Before the first step: without gcloud the archive would be packed, then the copy fail.
+    raise UsageError(f"{' and '.join(missing)}, which the launch runs on this machine, "
+                     f"{'is' if len(missing) == 1 else 'are'} not installed (not found on "
+                     f"PATH)")
+  _check_dir("log_dir", folder, keep=not FLAGS.dry_run)
   sys.exit(tpu.launch(plan, dry_run=FLAGS.dry_run, terminal=sys.stdout))

@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import subprocess
 from collections.abc import Sequence
 from typing import TextIO
@@ -172,7 +173,9 @@ def steps(where: Slice, job: Sequence[str], *, source_dir: str, log_dir: str,
              f"cd ~/{REMOTE_SOURCE} && {python} -m pip install --quiet \".[tpu]\"")
   # Run from the home directory: inside ~/ringflash, the source folder `ringflash/` would
   # shadow the installed package (which maps kernels/, parallel/, launch/ into it).
-  run = shlex.join([python, "-u", "-m", "ringflash.cli", *job])
+  # `python` is a word of the workers' shell, as in `install` above: the same spelling in
+  # both, so that `~/venv/bin/python` installs and runs in the same Python.
+  run = f"{python} {shlex.join(['-u', '-m', 'ringflash.cli', *job])}"
   log_parent = os.path.dirname(REMOTE_LOG)
   remote_job = (f"cd ~ && mkdir -p ~/{log_parent} && "
                 f"{distributed.ENV_INIT_TIMEOUT_S}={init_timeout_s} {run} > ~/{REMOTE_LOG} 2>&1; "
@@ -205,6 +208,11 @@ def steps(where: Slice, job: Sequence[str], *, source_dir: str, log_dir: str,
   return out
 
 
+def missing_programs(plan: Sequence[Step]) -> list[str]:
+  """The programs the plan runs on this machine (gcloud, tar) that are not on PATH."""
+  return sorted({step.argv[0] for step in plan if shutil.which(step.argv[0]) is None})
+
+
 def launch(plan: Sequence[Step], *, dry_run: bool, terminal: TextIO) -> int:
   """Prints the steps (dry_run) or runs them; returns the job's exit status.
 
@@ -228,7 +236,11 @@ def launch(plan: Sequence[Step], *, dry_run: bool, terminal: TextIO) -> int:
       continue
     terminal.write(f"ringflash launch: {step.what}: {step.shell()}\n")
     terminal.flush()
-    code = subprocess.run(step.argv, check=False).returncode
+    try:
+      code = subprocess.run(step.argv, check=False).returncode
+    except OSError as err:      # one that vanished, or cannot run, after missing_programs
+      terminal.write(f"ringflash launch: {step.argv[0]}: {err.strerror or err}\n")
+      code = 127
     if code and not step.always:
       terminal.write(f"ringflash launch: FAILED ({step.what}): status {code}\n")
       status = code

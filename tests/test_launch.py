@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import socket
+import shutil
 import signal
 import subprocess
 import sys
@@ -1018,6 +1019,53 @@ def test_tpu_launch_runs_steps_and_collects_logs_after_a_failure(tmp_path):
   assert tpu.launch(plan, dry_run=False, terminal=terminal) == 1
   assert marker.exists() and not (tmp_path / "skipped").exists()
   assert "FAILED (job): status 1" in terminal.getvalue()
+
+
+def test_tpu_launch_without_gcloud_is_refused_before_any_step(tmp_path):
+  """With --workers nothing asks gcloud first: the launch packed the archive, then the copy
+  was a FileNotFoundError traceback. Every program the plan runs here is looked up first."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  for tool in ("tar", "gzip"):
+    (bin_dir / tool).symlink_to(shutil.which(tool))
+  run = ringflash("launch", "tpu", "--name=rf", "--zone=z", "--workers=2",
+                  f"--log_dir={tmp_path / 'logs'}", "--", "check", timeout=60,
+                  env=job_env(PATH=str(bin_dir)))
+  assert_usage_error(run, "launch", "gcloud, which the launch runs on this machine, is not "
+                     "installed (not found on PATH)")
+  assert not (tmp_path / "logs").exists() and run.stdout == ""
+
+
+def test_tpu_launch_reports_a_program_that_cannot_start_as_its_step_failing(tmp_path):
+  plan = [tpu.Step("job", (str(tmp_path / "gone"),)),
+          tpu.Step("collect", ("touch", str(tmp_path / "collected")), always=True)]
+  terminal = io.StringIO()
+  assert tpu.launch(plan, dry_run=False, terminal=terminal) == 1
+  assert "No such file or directory" in terminal.getvalue()
+  assert "FAILED (job): status 127" in terminal.getvalue()
+  assert (tmp_path / "collected").exists()
+
+
+def test_tpu_python_is_spelled_alike_in_the_install_and_the_job(tmp_path):
+  """`--python=~/venv/bin/python`: the install's shell expanded the ~, the job's quoted it,
+  so every worker installed into the venv, then failed with status 127 to start it."""
+  home = tmp_path / "home"
+  (home / "venv" / "bin").mkdir(parents=True)
+  (home / "venv" / "bin" / "python").symlink_to(sys.executable)
+  plan = tpu.steps(tpu.Slice(name="rf", zone="z", workers=1), ["check", "--heads=2"],
+                   source_dir=REPO, log_dir=str(tmp_path), python="~/venv/bin/python")
+  commands = {step.what: step.argv[step.argv.index("--command") + 1] for step in plan
+              if "--command" in step.argv}
+  install = commands["install ringflash[tpu] on every worker"]
+  job = commands["run the job on every worker"]
+  assert "&& ~/venv/bin/python -m pip install" in install
+  assert ("RINGFLASH_INIT_TIMEOUT_S=300 ~/venv/bin/python -u -m ringflash.cli check "
+          "--heads=2 >") in job
+  # Each as the worker's shell runs it: the job's python starts.
+  probe = job.split(" -u -m ")[0].split("&& ")[-1] + " -c 'print(1)'"
+  done = subprocess.run(["bash", "-c", probe], env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
+                        capture_output=True, text=True, timeout=60)
+  assert done.returncode == 0 and done.stdout == "1\n", done.stderr
 
 
 def test_tpu_slice_validated():
