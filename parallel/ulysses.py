@@ -16,7 +16,7 @@ past the diagonal.
 Fewer kv heads than devices (K < P, P % K == 0): each kv head is repeated P / K times before
 the all-to-all, so that each device receives the one its query heads use. K = 1, P = 4: kv
 head 0 is sent to all four devices; device d attends query heads 4d..4d+3 against it. Their
-gradients are summed back over the copies (the repeat's transpose).
+gradients are summed back over the copies in float32, then cast once (repeat_kv).
 
 Needs N % P == 0 (each device a whole number of query heads) and K % P == 0 or P % K == 0.
 The gradients follow the all-to-alls back (their transpose is an all-to-all).
@@ -24,6 +24,9 @@ The gradients follow the all-to-alls back (their transpose is an all-to-all).
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -61,8 +64,27 @@ def to_sequence(x, axis_name, seq_axis: int = 1, head_axis: int = 2):
 
 def repeat_kv(x, k: int, size: int):
   """K < P: each kv head repeated P / K times (in place), so the all-to-all hands each
-  device the kv head its query heads use."""
-  return x if k % size == 0 else jnp.repeat(x, size // k, axis=2)
+  device the kv head its query heads use. The gradient sums the copies in float32 and casts
+  once (jnp.repeat's own transpose added them in x's dtype: P / K roundings in bfloat16)."""
+  return x if k % size == 0 else _repeat_heads(x, size // k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _repeat_heads(x, times: int):
+  return jnp.repeat(x, times, axis=2)
+
+
+def _repeat_heads_fwd(x, times):
+  return _repeat_heads(x, times), None
+
+
+def _repeat_heads_bwd(times, _, g):                  # g has x's dtype, as the copies have
+  b, s, heads, h = g.shape
+  summed = g.astype(jnp.float32).reshape(b, s, heads // times, times, h).sum(axis=3)
+  return (summed.astype(g.dtype),)
+
+
+_repeat_heads.defvjp(_repeat_heads_fwd, _repeat_heads_bwd)
 
 
 def ulysses_attention_local(q, k, v, q_seg, kv_seg, spec: UlyssesSpec, positions=None):
