@@ -251,6 +251,7 @@ class KVCache:
       every token of a row that lost tokens to an append past max_len under jit (its `used`
       exceeds max_len): the cache no longer holds what the row has seen.
     """
+    self._check_query(query)
     options = decode._Options(
         axis_name=self.axis_name, scale=scale, logits_soft_cap=logits_soft_cap,
         local_window_size=_mesh.frozen(local_window_size),
@@ -266,6 +267,25 @@ class KVCache:
                        jnp.asarray(jnp.nan, x.dtype), x)
 
     return tuple(map(spoiled, result)) if return_residual else spoiled(result)
+
+
+  def _check_query(self, query) -> None:
+    """query against the cache, in the cache's terms (decode_attention's own check would
+    name key_cache and value_cache, arguments a KVCache user never passed)."""
+    qs, qd = _validate.array_shape(query, "query")
+    if len(qs) != 4:
+      return                          # decode_attention's check names the rank
+    b, _, kh, h = self.k.shape
+    if qd != self.k.dtype:
+      raise ValueError(f"query dtype {qd} must be the cache's dtype {self.k.dtype} (set by "
+                       f"KVCache.create(dtype=...))")
+    if qs[0] != b:
+      raise ValueError(f"query batch B={qs[0]} must be the cache's batch {b}")
+    if qs[3] != h:
+      raise ValueError(f"query head_dim {qs[3]} must be the cache's head_dim {h}")
+    if qs[2] % kh:
+      raise ValueError(f"query heads N={qs[2]} must be a multiple of the cache's kv heads "
+                       f"K={kh} (GQA/MQA)")
 
 
 # Under jax.set_mesh of another mesh: the cache's own mesh is the one named.

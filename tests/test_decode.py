@@ -560,6 +560,17 @@ def test_cache_checks_its_arguments():
   full = cache.prefill(jnp.zeros((1, 16, 1, 8)), jnp.zeros((1, 16, 1, 8)))
   with pytest.raises(ValueError, match="overflows the cache"):
     full.append(jnp.zeros((1, 1, 1, 8)), jnp.zeros((1, 1, 1, 8)))
+  # the query in the cache's terms: decode_attention's messages name key_cache / value_cache
+  two_heads = ringflash.KVCache.create(1, 16, 2, 8, mesh=mesh, dtype=jnp.float32)
+  for held, query, message in (
+      (full, jnp.zeros((1, 1, 2, 8), jnp.bfloat16), "query dtype bfloat16 must be the cache's "
+                                                    "dtype float32 (set by KVCache.create("),
+      (full, jnp.zeros((2, 1, 2, 8)), "query batch B=2 must be the cache's batch 1"),
+      (full, jnp.zeros((1, 1, 2, 4)), "query head_dim 4 must be the cache's head_dim 8"),
+      (two_heads, jnp.zeros((1, 1, 3, 8)), "query heads N=3 must be a multiple of the cache's "
+                                           "kv heads K=2")):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      held.attention(query)
 
 
 # -------------------------------------------------------------------------------- errors
