@@ -217,6 +217,24 @@ def resolve_tiles(given: GpuBlockSizes | None, problem: base.Problem) -> GpuBloc
   return GpuBlockSizes(block_q=bq, block_k=bk, stages=stages)
 
 
+# CUDA bounds a grid's y and z extents at 65535 blocks. Mosaic GPU launches a grid
+# (heads, tiles, batch) reversed, so the row tiles of a call are its y extent (Pallas' Triton
+# lowering folds a grid past the bound into x; the Triton backward has no such limit).
+MAX_GRID_TILES = 2**16 - 1
+
+
+def _check_grid(rows: int, per_block: int, what: str) -> None:
+  """Raises NotImplementedError where a Mosaic kernel's grid of rows / per_block blocks
+  exceeds CUDA's bound (at trace time, before anything runs)."""
+  blocks = rows // per_block
+  if blocks > MAX_GRID_TILES:
+    raise NotImplementedError(
+        f"backend {NAME!r} runs a kernel call of {rows} {what} rows as {blocks} CUDA blocks "
+        f"of {per_block} rows along one grid axis, which CUDA bounds at {MAX_GRID_TILES}: at "
+        f"most {MAX_GRID_TILES * per_block} {what} rows a call; spread the sequence over "
+        f"more devices")
+
+
 def _pad_last(x, size: int):
   """x zero-padded along its last axis to `size` (x itself when it has that size)."""
   if x.shape[-1] == size:
@@ -280,6 +298,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   refs = (q, k, v, q_pos, k_pos, q_seg, k_seg)
   (q, k, v, q_pos, k_pos, q_seg, k_seg), _ = _fit_rows(2 * tiles.block_q, tiles.block_k, q, k,
                                                        v, q_pos, k_pos, q_seg, k_seg)
+  _check_grid(q.shape[1], 2 * tiles.block_q, "query")
   hp = mosaic_dim(q.shape[-1])
   q_in, k_in, v_in = _pad_last(q, hp), _pad_last(k, hp), _pad_last(v, mosaic_dim(hv))
   work, full = common.tile_flags(q_pos, k_pos, q_seg, k_seg, spec, tiles.block_q,
@@ -333,6 +352,8 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   out, dout = _pad_rows(out, pt), _pad_rows(dout, pt)
   lse, dlse, delta = (_pad_rows(x, pt, axis=2) for x in (lse, dlse, delta))
   kernel = backward_kernel(h, hv, k.shape[1], spec.interpret)
+  if kernel != "triton":
+    _check_grid(k.shape[1], 2 * BWD_BLOCK if kernel == "mosaic" else BWD_BLOCK, "key")
   if kernel == "mosaic":
     from ringflash.kernels import pallas_gpu_mosaic_bwd  # pylint: disable=g-import-not-at-top
     hp, hvp = mosaic_dim(h), mosaic_dim(hv)

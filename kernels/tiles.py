@@ -83,7 +83,7 @@ class GpuBlockSizes:
   The backward's tiles are fixed at 64 x 64 (registers bound them).
 
   Attributes:
-    block_q, block_k: multiples of 64.
+    block_q, block_k: multiples of 64; block_k at most 256.
     stages: K/V pipeline depth, at least 2.
   """
 
@@ -98,6 +98,10 @@ class GpuBlockSizes:
       if value is not None and value % 64:
         raise ValueError(f"block_sizes.{name}={value} must be a multiple of 64 (backend "
                          f"'pallas_gpu')")
+    if self.block_k is not None and self.block_k > 256:
+      # Q K^T of a step is one wgmma of N = block_k columns, which Hopper bounds at 256.
+      raise ValueError(f"block_sizes.block_k={self.block_k} must be at most 256 (one wgmma "
+                       f"of N = block_k columns; backend 'pallas_gpu')")
     if self.stages is not None and self.stages < 2:
       raise ValueError(f"block_sizes.stages={self.stages} must be at least 2 (backend "
                        f"'pallas_gpu')")

@@ -511,6 +511,72 @@ def test_forward_tiles_beyond_shared_memory_raise():
   assert (tiles.block_q, tiles.block_k, tiles.stages) == (64, 128, 2)
 
 
+@pytest.mark.parametrize("which,h,hv,per_block", [
+    ("forward", 64, 64, 128),          # 2 * block_q query rows a block
+    ("mosaic", 64, 64, 128),           # the fused backward: 2 * 64 key rows a block
+    ("wide", 192, 128, 64),            # the wide backward: 64 key rows a block
+    ("triton", 160, 72, None),         # Pallas' Triton lowering folds its grid: no bound
+])
+def test_grids_past_cudas_bound_are_not_implemented_naming_the_rows(which, h, hv, per_block):
+  """Mosaic GPU launches (heads, tiles, batch) reversed: a call's row tiles are the grid's
+  y extent, which CUDA bounds at 65535 (a query run of 8388480 rows at block_q = 64, a key
+  run of 4194240 in the wide backward). Past it the call is refused while tracing; nothing
+  checked it before. Traced only: no array of that size is made."""
+  block = per_block or 64
+  limit = block * pallas_gpu.MAX_GRID_TILES
+  ok = limit // 128 * 128                       # the rows the backward pads to 128 keep it
+  past = block * (pallas_gpu.MAX_GRID_TILES + 1)
+  rows = {}
+  for n_rows in (ok, past):
+    long_side = (n_rows, 128) if which == "forward" else (128, n_rows)
+    t, s = long_side
+    spec = base.KernelSpec(scale=h ** -0.5, causal=False,
+                           tiles=ringflash.GpuBlockSizes(64, 128, 2))
+    sd = jax.ShapeDtypeStruct
+    q, k = sd((1, t, 1, h), jnp.bfloat16), sd((1, s, 1, h), jnp.bfloat16)
+    v = sd((1, s, 1, hv), jnp.bfloat16)
+    qp, kp = sd((t,), jnp.int32), sd((s,), jnp.int32)
+    if which == "forward":
+      fn = lambda q, k, v, qp, kp: pallas_gpu.forward(q, k, v, qp, kp, None, None, spec)
+      args = (q, k, v, qp, kp)
+    else:
+      assert pallas_gpu.backward_kernel(h, hv, s, False) == which, s
+      out, dout = sd((1, t, 1, hv), jnp.bfloat16), sd((1, t, 1, hv), jnp.bfloat16)
+      lse = sd((1, 1, t), jnp.float32)
+      fn = lambda q, k, v, o, l, do, qp, kp: pallas_gpu.backward(q, k, v, o, l, do, qp, kp, None,
+                                                                 None, spec)
+      args = (q, k, v, out, lse, dout, qp, kp)
+    try:
+      jax.jit(fn).trace(*args)
+      rows[n_rows] = "traced"
+    except NotImplementedError as err:
+      rows[n_rows] = str(err)
+  assert rows[ok] == "traced"
+  if per_block is None:
+    assert rows[past] == "traced"
+  else:
+    what = "query" if which == "forward" else "key"
+    assert rows[past] == (
+        f"backend 'pallas_gpu' runs a kernel call of {past} {what} rows as 65536 "
+        f"CUDA blocks of {per_block} rows along one grid axis, which CUDA bounds at 65535: at "
+        f"most {limit} {what} rows a call; spread the sequence over more devices")
+
+
+@pytest.mark.parametrize("block_k", [320, 384])
+def test_forward_key_tiles_past_one_wgmma_are_refused_by_name(block_k):
+  """Shared memory fits (64, 320) at head dim 64, but Q K^T is one wgmma of N = block_k,
+  which Mosaic GPU bounds at 256: it failed while lowering, naming no argument."""
+  with pytest.raises(ValueError, match=f"block_sizes.block_k={block_k} must be at most 256"):
+    ringflash.GpuBlockSizes(64, block_k)
+  tiles = pallas_gpu.resolve_tiles(ringflash.GpuBlockSizes(64, 256),
+                                   _problem(1024, 1024, 64, 1, 1))
+  spec = base.KernelSpec(scale=0.125, causal=True, tiles=tiles)
+  q = k = v = jax.ShapeDtypeStruct((1, 1024, 1, 64), jnp.bfloat16)
+  pos = jax.ShapeDtypeStruct((1024,), jnp.int32)
+  _lower_for_cuda(lambda q, k, v, p: pallas_gpu.forward(q, k, v, p, p, None, None, spec),
+                  q, k, v, pos)                             # 256 lowers
+
+
 @pytest.mark.parametrize("h,hv,block_k,stages", [
     (128, 128, 128, 3),     # Q, K and V alone 224 KiB: under the 227, over with the rest
     (256, 256, 64, 3),
