@@ -118,18 +118,22 @@ FP32_TOL = 1e-4
 
 def fp32_tol(ref):
   """~1e-4 absolute on O(1) values; gradients summed over many rows are larger, scale with
-  them."""
-  return FP32_TOL * max(1.0, float(jnp.max(jnp.abs(jnp.asarray(ref, jnp.float32)))))
+  them. The scale is over finite entries: an lse of -inf (a row without keys) made the
+  bound infinite, and every other row's lse went unchecked."""
+  r = np.abs(np.asarray(jnp.asarray(ref, jnp.float32)))
+  return FP32_TOL * max(1.0, float(np.max(r[np.isfinite(r)], initial=0.0)))
 
 
 def check(got, ref, plain=None):
   """got/ref/plain: (out, lse, dq, dk, dv). fp32: absolute tolerance fp32_tol; bf16:
   FlashAttention's criterion, error vs the fp32 oracle <= 2x (outputs) or 3x (gradients) the
-  error of a plain low-precision dense implementation."""
+  error of a plain low-precision dense implementation. lse is float32 for every input dtype,
+  computed from the same rounded inputs as the oracle's: fp32_tol always (the bf16 criterion
+  allowed 0.05 where the error is 5e-7)."""
   for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
     err = max_err(got[i], ref[i])
     assert np.isfinite(err), f"{name}: non-finite error"
-    if plain is None:
+    if plain is None or name == "lse":
       assert err <= fp32_tol(ref[i]), f"{name}: error {err:.3g} > {fp32_tol(ref[i]):.3g}"
     else:
       factor = 2.0 if i < 2 else 3.0

@@ -18,7 +18,7 @@ def attention(q, k, v, *, causal=False, scale=None, q_seg=None, kv_seg=None, upc
 
   window: None, int w or (left, right): query i sees keys j with i - left <= j <= i + right.
   q_pos [T], kv_pos [S]: the positions of the rows (default 0..T-1, 0..S-1), for inputs
-  given in a permuted order.
+  given in a permuted order; masks and lengths apply to positions.
 
   softcap: scores become softcap * tanh(scores / softcap), before the mask.
   sinks [N]: a logit per query head in every row's softmax denominator, with no value; lse
@@ -27,6 +27,10 @@ def attention(q, k, v, *, causal=False, scale=None, q_seg=None, kv_seg=None, upc
 
   upcast=True computes in float32 at HIGHEST precision (the oracle); upcast=False computes in
   the inputs' dtype (the "plain bf16 implementation" of the bf16 error criterion).
+
+  Inputs must be finite: a non-finite value would reach rows that do not see it (0 * NaN in
+  the product with V). The non-finite tests compare the rows a bad value cannot reach with
+  this oracle on the clean inputs.
   """
   if upcast:
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
@@ -50,11 +54,10 @@ def attention(q, k, v, *, causal=False, scale=None, q_seg=None, kv_seg=None, upc
         None, None]
   if q_seg is not None:
     valid = valid & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
-  if kv_lengths is not None:
-    valid = valid & (jnp.arange(s)[None, :] < jnp.asarray(kv_lengths)[:, None])[:, None, None]
+  if kv_lengths is not None:     # by position, as the library counts them in any layout
+    valid = valid & (j[None, :] < jnp.asarray(kv_lengths)[:, None])[:, None, None]
   if q_lengths is not None:
-    valid = valid & (jnp.arange(t)[None, :] < jnp.asarray(q_lengths)[:, None])[:, None, :,
-                                                                                 None]
+    valid = valid & (i[None, :] < jnp.asarray(q_lengths)[:, None])[:, None, :, None]
   logits = jnp.where(valid, logits, -jnp.inf)
   row_ok = valid.any(axis=-1)                                   # [B|1, 1, T]
   m = jnp.where(row_ok, logits.max(axis=-1), 0.0)
