@@ -278,7 +278,7 @@ class ContractTests:
     low = jnp.dtype(self.DTYPE) != jnp.float32
     assert helpers.max_err(o, ref_o) <= (2 * helpers.max_err(plain_o, ref_o) if low
                                          else helpers.fp32_tol(ref_o))
-    assert helpers.max_err(lse, ref_lse) <= (2e-2 if low else helpers.fp32_tol(ref_lse))
+    assert helpers.max_err(lse, ref_lse) <= helpers.fp32_tol(ref_lse)     # float32 always
     dead = np.asarray(jnp.isneginf(ref_lse))                      # [B, N, T]
     if off < 0:
       assert dead.any()
@@ -579,6 +579,8 @@ class ContractTests:
     self.require("ring")
     errs, ref = {}, None
     sizes = sorted({self.adapt(RingCase("", p)).ring_size for p in (1, 2, 4, 8)})
+    if len(sizes) < 2:         # e.g. one GPU: one ring size, nothing to compare
+      pytest.skip(f"needs rings of two sizes; the backend's devices give only {sizes}")
     for p in sizes:
       # the same global problem on every ring: 8 units of tokens
       case = RingCase("grow", p, causal=True, t=8 // p, s=8 // p)
@@ -656,18 +658,27 @@ class ContractTests:
         return jnp.sum(jnp.where(keep, attn(a, b_, c).astype(jnp.float32) * dout, 0.0))
       return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q_, k_, v_)
 
+    def dense(upcast):
+      return lambda a, b_, c: oracle.attention(a, b_, c, causal=True, q_seg=seg, kv_seg=seg,
+                                               upcast=upcast, **oracle_vocab)[0]
+
+    # The rows of the clean document, and their gradients: finite and exact against the
+    # oracle on clean inputs, at the contract's tolerances.
+    low = jnp.dtype(q.dtype) != jnp.float32
     out = np.asarray(jax.jit(ring)(q_n, k_n, v_n), np.float32)
     assert np.all(np.isfinite(out[0, ~bad])), "NaN reached rows that do not see it"
+    ref_out, plain_out = (np.asarray(jax.jit(dense(u))(q, k, v), np.float32)[0, ~bad]
+                          for u in (True, False))
+    bound = 2 * helpers.max_err(plain_out, ref_out) if low else helpers.fp32_tol(ref_out)
+    assert helpers.max_err(out[0, ~bad], ref_out) <= bound, "out"
     val, got = grads(ring, q_n, k_n, v_n)
-    ref_val, want = grads(lambda a, b_, c: oracle.attention(a, b_, c, causal=True, q_seg=seg,
-                                                            kv_seg=seg, **oracle_vocab)[0],
-                          q, k, v)
     assert np.isfinite(float(val))
-    assert abs(float(val) - float(ref_val)) <= 2e-2 * max(1.0, abs(float(ref_val)))
-    for name, g, r in zip(("dq", "dk", "dv"), got, want):
-      g, r = np.asarray(g, np.float32)[0, ~bad], np.asarray(r, np.float32)[0, ~bad]
+    (_, want), (_, plain) = grads(dense(True), q, k, v), grads(dense(False), q, k, v)
+    for name, g, r, pl_ in zip(("dq", "dk", "dv"), got, want, plain):
+      g, r, pl_ = (np.asarray(x, np.float32)[0, ~bad] for x in (g, r, pl_))
       assert np.all(np.isfinite(g)), f"{name}: NaN reached rows that do not see it"
-      assert np.max(np.abs(g - r)) <= 5e-2 * max(1.0, float(np.max(np.abs(r)))), name
+      bound = 3 * helpers.max_err(pl_, r) if low else helpers.fp32_tol(r)
+      assert helpers.max_err(g, r) <= max(bound, 1e-6), name
 
   def test_nonfinite_padding_past_the_lengths_never_reaches_a_row(self):
     """Padded batches whose padding holds NaN (never written, or garbage): with query and
