@@ -223,16 +223,18 @@ def resolve_tiles(given: GpuBlockSizes | None, problem: base.Problem) -> GpuBloc
 MAX_GRID_TILES = 2**16 - 1
 
 
-def _check_grid(rows: int, per_block: int, what: str) -> None:
+def _check_grid(rows: int, per_block: int, what: str, padded_to: int | None = None) -> None:
   """Raises NotImplementedError where a Mosaic kernel's grid of rows / per_block blocks
-  exceeds CUDA's bound (at trace time, before anything runs)."""
+  exceeds CUDA's bound (at trace time, before anything runs). rows are already padded to a
+  multiple of padded_to (default per_block), which the largest length it names is too."""
   blocks = rows // per_block
   if blocks > MAX_GRID_TILES:
+    step = padded_to or per_block
+    most = MAX_GRID_TILES * per_block // step * step
     raise NotImplementedError(
         f"backend {NAME!r} runs a kernel call of {rows} {what} rows as {blocks} CUDA blocks "
         f"of {per_block} rows along one grid axis, which CUDA bounds at {MAX_GRID_TILES}: at "
-        f"most {MAX_GRID_TILES * per_block} {what} rows a call; spread the sequence over "
-        f"more devices")
+        f"most {most} {what} rows a call; spread the sequence over more devices")
 
 
 def _pad_last(x, size: int):
@@ -352,8 +354,9 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   out, dout = _pad_rows(out, pt), _pad_rows(dout, pt)
   lse, dlse, delta = (_pad_rows(x, pt, axis=2) for x in (lse, dlse, delta))
   kernel = backward_kernel(h, hv, k.shape[1], spec.interpret)
-  if kernel != "triton":
-    _check_grid(k.shape[1], 2 * BWD_BLOCK if kernel == "mosaic" else BWD_BLOCK, "key")
+  if kernel != "triton":          # keys padded to 2 * BWD_BLOCK (_backward_key_rows)
+    _check_grid(k.shape[1], 2 * BWD_BLOCK if kernel == "mosaic" else BWD_BLOCK, "key",
+                padded_to=2 * BWD_BLOCK)
   if kernel == "mosaic":
     from ringflash.kernels import pallas_gpu_mosaic_bwd  # pylint: disable=g-import-not-at-top
     hp, hvp = mosaic_dim(h), mosaic_dim(hv)

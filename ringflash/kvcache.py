@@ -268,7 +268,6 @@ class KVCache:
 
     return tuple(map(spoiled, result)) if return_residual else spoiled(result)
 
-
   def _check_query(self, query) -> None:
     """query against the cache, in the cache's terms (decode_attention's own check would
     name key_cache and value_cache, arguments a KVCache user never passed)."""

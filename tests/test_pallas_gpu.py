@@ -520,8 +520,9 @@ def test_forward_tiles_beyond_shared_memory_raise():
 def test_grids_past_cudas_bound_are_not_implemented_naming_the_rows(which, h, hv, per_block):
   """Mosaic GPU launches (heads, tiles, batch) reversed: a call's row tiles are the grid's
   y extent, which CUDA bounds at 65535 (a query run of 8388480 rows at block_q = 64, a key
-  run of 4194240 in the wide backward). Past it the call is refused while tracing; nothing
-  checked it before. Traced only: no array of that size is made."""
+  run of 4194176 in the wide backward, whose keys are padded to a multiple of 128). Past it
+  the call is refused while tracing, naming the longest run that fits; nothing checked it
+  before. Traced only: no array of that size is made."""
   block = per_block or 64
   limit = block * pallas_gpu.MAX_GRID_TILES
   ok = limit // 128 * 128                       # the rows the backward pads to 128 keep it
@@ -559,7 +560,7 @@ def test_grids_past_cudas_bound_are_not_implemented_naming_the_rows(which, h, hv
     assert rows[past] == (
         f"backend 'pallas_gpu' runs a kernel call of {past} {what} rows as 65536 "
         f"CUDA blocks of {per_block} rows along one grid axis, which CUDA bounds at 65535: at "
-        f"most {limit} {what} rows a call; spread the sequence over more devices")
+        f"most {ok} {what} rows a call; spread the sequence over more devices")
 
 
 @pytest.mark.parametrize("block_k", [320, 384])
