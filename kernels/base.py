@@ -422,6 +422,46 @@ def largest_divisor_at_most(n: int, cap: int, multiple_of: int = 1) -> int | Non
   return None
 
 
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def pad_rows(x, n: int, axis: int = 1, value=0):
+  """x with n rows of `value` appended along `axis` (x itself for n = 0 or None)."""
+  if x is None or not n:
+    return x
+  pads = [(0, 0)] * x.ndim
+  pads[axis] = (0, n)
+  return jnp.pad(x, pads, constant_values=value)
+
+
+def fit_rows(q_rows: int, k_rows: int, q, k, v, q_pos, k_pos, q_seg, k_seg):
+  """The block pair with rows appended up to multiples of q_rows (queries) and k_rows
+  (keys), so that whole tiles cover them: zero rows at the last row's position (tile ranges
+  stay the real ones) whose segment ids see nothing, PAD_Q for queries and PAD_K for keys
+  (ids of zeros made for the real rows where there were none), as ringflash/_inputs.py pads
+  a sequence. The caller pads its other arrays of query rows by the same count (pad_rows)
+  and cuts the padded rows off its results. T = 200, S = 1000, tiles 128 and 64: 56 query
+  rows and 24 key rows. Used by the backends whose tiles need not divide a local length
+  (pallas_gpu; xla's default tiles of a length without a large divisor).
+
+  Returns ((q, k, v, q_pos, k_pos, q_seg, k_seg), padded query rows), all unchanged where
+  the tiles divide the lengths (a static branch).
+  """
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  pt, ps = round_up(t, q_rows) - t, round_up(s, k_rows) - s
+  if not (pt or ps):
+    return (q, k, v, q_pos, k_pos, q_seg, k_seg), 0
+  if q_seg is None:
+    q_seg = match_vma(jnp.zeros((b, t), jnp.int32), q)
+    k_seg = match_vma(jnp.zeros((b, s), jnp.int32), k)
+  q_seg = pad_rows(q_seg.astype(jnp.int32), pt, value=PAD_Q)
+  k_seg = pad_rows(k_seg.astype(jnp.int32), ps, value=PAD_K)
+  q_pos, k_pos = pad_rows(q_pos, pt, 0, q_pos[-1]), pad_rows(k_pos, ps, 0, k_pos[-1])
+  return (pad_rows(q, pt), pad_rows(k, ps), pad_rows(v, ps), q_pos, k_pos, q_seg,
+          k_seg), pt
+
+
 def match_vma(x, *refs):
   """x, marked as varying over every manual mesh axis that any of `refs` varies over.
 

@@ -191,7 +191,7 @@ def resolve_tiles(given: GpuBlockSizes | None, problem: base.Problem) -> GpuBloc
   block_k is 128 where the [64, Hvp] fp32 accumulator and the [64, 128] scores fit the
   registers beside each other (Hvp <= 128) and Hp <= 192 (at H = 192, Hv = 128:
   Q 48 KiB + K 96 KiB + V 64 KiB = 208 KiB of 227), else 64. Lengths the tiles do not divide
-  are padded per call (_fit_rows), also where 128 pads 64 keys more than 64 would: on the
+  are padded per call (base.fit_rows), also where 128 pads 64 keys more than 64 would: on the
   H100 (N = K = 16, H = 128, docs/GPU_NOTES.md run 176) block_k = 128 took the forward
   1.05-1.22x as fast as 64 at T = S = 4000 and 16320 (run 175, at lengths 1024-16384: 1.00-
   1.23x from 2048 on, 0.96-1.02x at 1024).
@@ -244,52 +244,13 @@ def _pad_last(x, size: int):
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
-
-
-def _pad_rows(x, n: int, axis: int = 1, value=0):
-  """x with n rows of `value` appended along `axis` (x itself for n = 0 or None)."""
-  if x is None or not n:
-    return x
-  pads = [(0, 0)] * x.ndim
-  pads[axis] = (0, n)
-  return jnp.pad(x, pads, constant_values=value)
-
-
-def _fit_rows(q_rows: int, k_rows: int, q, k, v, q_pos, k_pos, q_seg, k_seg):
-  """The block pair with rows appended up to multiples of q_rows (queries) and k_rows
-  (keys), so that whole tiles cover them: zero rows at the last row's position (tile ranges
-  stay the real ones) whose segment ids see nothing, base.PAD_Q for queries and base.PAD_K
-  for keys (ids of zeros made for the real rows where there were none), as
-  ringflash/_inputs.py pads a sequence. The caller pads its other arrays of query rows by
-  the same count (_pad_rows) and cuts the padded rows off its results. T = 200, S = 1000,
-  tiles 128 and 64: 56 query rows and 24 key rows.
-
-  Returns ((q, k, v, q_pos, k_pos, q_seg, k_seg), padded query rows), all unchanged where
-  the tiles divide the lengths (a static branch).
-  """
-  b, t, s = q.shape[0], q.shape[1], k.shape[1]
-  pt, ps = _round_up(t, q_rows) - t, _round_up(s, k_rows) - s
-  if not (pt or ps):
-    return (q, k, v, q_pos, k_pos, q_seg, k_seg), 0
-  if q_seg is None:
-    q_seg = base.match_vma(jnp.zeros((b, t), jnp.int32), q)
-    k_seg = base.match_vma(jnp.zeros((b, s), jnp.int32), k)
-  q_seg = _pad_rows(q_seg.astype(jnp.int32), pt, value=base.PAD_Q)
-  k_seg = _pad_rows(k_seg.astype(jnp.int32), ps, value=base.PAD_K)
-  q_pos, k_pos = _pad_rows(q_pos, pt, 0, q_pos[-1]), _pad_rows(k_pos, ps, 0, k_pos[-1])
-  return (_pad_rows(q, pt), _pad_rows(k, ps), _pad_rows(v, ps), q_pos, k_pos, q_seg,
-          k_seg), pt
-
-
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   """Block-pair forward; see kernels/base.py for the contract.
 
   Head dims that are not multiples of 64 are zero-padded (q, k to mosaic_dim(H); v to
   mosaic_dim(Hv)) and the padded output columns cut off: a static branch, nothing happens
   at H, Hv in (64, 128, 192, 256). So are local lengths that the tiles (2 * block_q query
-  rows a CUDA block, block_k key rows) do not divide (_fit_rows), with the padded rows' ids
+  rows a CUDA block, block_k key rows) do not divide (base.fit_rows), with the padded rows' ids
   seeing nothing.
 
   Returns o float32 [B, T, N, Hv] and lse float32 [B, N, T].
@@ -298,8 +259,8 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   tiles = spec.tiles
   t, hv = q.shape[1], v.shape[-1]
   refs = (q, k, v, q_pos, k_pos, q_seg, k_seg)
-  (q, k, v, q_pos, k_pos, q_seg, k_seg), _ = _fit_rows(2 * tiles.block_q, tiles.block_k, q, k,
-                                                       v, q_pos, k_pos, q_seg, k_seg)
+  (q, k, v, q_pos, k_pos, q_seg, k_seg), _ = base.fit_rows(
+      2 * tiles.block_q, tiles.block_k, q, k, v, q_pos, k_pos, q_seg, k_seg)
   _check_grid(q.shape[1], 2 * tiles.block_q, "query")
   hp = mosaic_dim(q.shape[-1])
   q_in, k_in, v_in = _pad_last(q, hp), _pad_last(k, hp), _pad_last(v, mosaic_dim(hv))
@@ -326,7 +287,7 @@ def _backward_key_rows(h: int, hv: int, s: int, interpret: bool) -> int:
   H100 (N = K = 16, S = 4000 and 16320, docs/GPU_NOTES.md run 176) the Mosaic backward on
   keys padded to 128 took the backward 1.24-1.38x as fast as the Triton one on keys padded
   to 64, at 128 / 128 and 192 / 128 (1.00x at S = 4000 causal)."""
-  if backward_kernel(h, hv, _round_up(s, 2 * BWD_BLOCK), interpret) != "triton":
+  if backward_kernel(h, hv, base.round_up(s, 2 * BWD_BLOCK), interpret) != "triton":
     return 2 * BWD_BLOCK
   return BWD_BLOCK
 
@@ -348,11 +309,11 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
   if q.dtype == jnp.float16:                    # a static branch: bfloat16 is untouched
     gamma, v, delta = _float16_ds_range(v, out, dout, dlse, spec.scale)
   # rows up to whole tiles (a static branch), the padded rows' gradients cut off after
-  (q, k, v, q_pos, k_pos, q_seg, k_seg), pt = _fit_rows(
+  (q, k, v, q_pos, k_pos, q_seg, k_seg), pt = base.fit_rows(
       BWD_BLOCK, _backward_key_rows(h, hv, s, spec.interpret), q, k, v, q_pos, k_pos, q_seg,
       k_seg)
-  out, dout = _pad_rows(out, pt), _pad_rows(dout, pt)
-  lse, dlse, delta = (_pad_rows(x, pt, axis=2) for x in (lse, dlse, delta))
+  out, dout = base.pad_rows(out, pt), base.pad_rows(dout, pt)
+  lse, dlse, delta = (base.pad_rows(x, pt, axis=2) for x in (lse, dlse, delta))
   kernel = backward_kernel(h, hv, k.shape[1], spec.interpret)
   if kernel != "triton":          # keys padded to 2 * BWD_BLOCK (_backward_key_rows)
     _check_grid(k.shape[1], 2 * BWD_BLOCK if kernel == "mosaic" else BWD_BLOCK, "key",

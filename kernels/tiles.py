@@ -32,7 +32,10 @@ def check_tile_fields(config) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class XlaBlockSizes:
-  """Tiles of the xla backend. None: the largest divisor of the length that is at most 512.
+  """Tiles of the xla backend. None: the largest divisor of the length that is at most 512,
+  or, where that is below 64 rows and not the length itself, near-equal tiles of at most 512
+  rows whose last one the kernels pad (kernels/xla.default_block). A given size must divide
+  its length.
 
   Attributes:
     block_q, block_k: the forward's query and key rows per tile.

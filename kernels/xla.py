@@ -18,12 +18,25 @@ from ringflash.kernels.tiles import XlaBlockSizes
 NAME = "xla"
 LENGTH_MULTIPLE = 1         # any local length
 _DEFAULT_BLOCK = 512
+_SMALLEST_DIVISOR = 64
 
 
 def unsupported(problem: base.Problem) -> str | None:
   """Why this backend cannot compute `problem` (None: it can; it computes everything)."""
   del problem
   return None
+
+
+def default_block(length: int) -> int:
+  """The default tile of a local length: its largest divisor up to 512 where that is the
+  length itself or at least 64 rows; otherwise (1031, a prime, has only 1 and 1031) the
+  length in ceil(length / 512) near-equal tiles, rounded up to 8 rows, and the kernels pad
+  the last one (base.fit_rows): 1031 rows in tiles of 344, 1 row of padding. Tiles of a few
+  rows would make the loops run (length / tile)^2 steps of a few scores each."""
+  d = base.largest_divisor_at_most(length, _DEFAULT_BLOCK)
+  if d == length or d >= _SMALLEST_DIVISOR:
+    return d
+  return base.round_up(-(-length // -(-length // _DEFAULT_BLOCK)), 8)
 
 
 def resolve_tiles(given: XlaBlockSizes | None, problem: base.Problem) -> XlaBlockSizes:
@@ -38,7 +51,7 @@ def resolve_tiles(given: XlaBlockSizes | None, problem: base.Problem) -> XlaBloc
                        ("block_q_bwd", problem.q_len), ("block_k_bwd", problem.kv_len)):
     value = getattr(given, name)
     if value is None:
-      value = sizes.get(name[:7]) or base.largest_divisor_at_most(length, _DEFAULT_BLOCK)
+      value = sizes.get(name[:7]) or default_block(length)
     elif length % value:
       raise ValueError(f"block_sizes.{name}={value} must divide the local length {length} "
                        f"(backend {NAME!r})")
@@ -66,8 +79,19 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
 
   A block pair with no valid entry (a dead ring hop: with causal masking and the contiguous
   layout, about half of them) is skipped whole, with one conditional; otherwise empty
-  tiles are skipped one by one.
+  tiles are skipped one by one. Lengths the tiles do not divide (default_block) are padded
+  with rows that see nothing (base.fit_rows), cut off after.
   """
+  t = q.shape[1]
+  refs = (q, k, v, q_pos, k_pos, q_seg, k_seg)
+  args, _ = base.fit_rows(spec.tiles.block_q, spec.tiles.block_k, *refs)
+  o, lse = _forward(*args, spec)
+  if o.shape[1] != t:
+    o, lse = o[:, :t], lse[..., :t]
+  return o, lse
+
+
+def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec):
   b, t, n, h = q.shape
   refs = (q, k, v, q_pos, k_pos, q_seg, k_seg)
 
@@ -145,8 +169,22 @@ def backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.Ker
              dlse=None):
   """Block-pair backward; see kernels/base.py for the contract and backward_tiles.
 
-  A block pair with no valid entry is skipped whole (zero gradients), as in forward.
+  A block pair with no valid entry is skipped whole (zero gradients), as in forward, and
+  lengths the tiles do not divide are padded likewise (rows without keys: lse -inf).
   """
+  t, s = q.shape[1], k.shape[1]
+  args, pt = base.fit_rows(spec.tiles.block_q_bwd, spec.tiles.block_k_bwd, q, k, v, q_pos,
+                           k_pos, q_seg, k_seg)
+  out, dout, dlse = base.pad_rows(out, pt), base.pad_rows(dout, pt), base.pad_rows(dlse, pt, 2)
+  lse = base.pad_rows(lse, pt, axis=2, value=-jnp.inf)
+  dq, dk, dv = _backward(*args[:3], out, lse, dout, *args[3:], spec, dlse)
+  if dq.shape[1] != t or dk.shape[1] != s:
+    dq, dk, dv = dq[:, :t], dk[:, :s], dv[:, :s]
+  return dq, dk, dv
+
+
+def _backward(q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, spec: base.KernelSpec,
+              dlse):
   refs = (q, k, v, out, lse, dout, q_pos, k_pos, q_seg, k_seg, dlse)
 
   def zeros():
