@@ -163,11 +163,12 @@ def unsupported(problem: base.Problem) -> str | None:
   return None
 
 
-def _key_multiple(kv_len: int, sub: int) -> int:
-  """The multiple every key tile of a local key length is made of: the sublanes (16 for
-  2-byte dtypes, else 8) where one divides it, else 8, else 1. Positions are stored per
-  tile ([S // bk, 1, bk]), so any such tile is a legal block; 128 is preferred, not needed."""
-  return next(m for m in (sub, 8, 1) if kv_len % m == 0)
+def _key_multiple(length: int, sub: int) -> int:
+  """The multiple every tile of a local length is made of, query or key: the sublanes (16
+  for 2-byte dtypes, else 8) where they divide it, else 8, else 1 (a length that is not a
+  multiple of 8 runs only interpreted: `unsupported`). Key positions are stored per tile
+  ([S // bk, 1, bk]), so any such key tile is a legal block; 128 is preferred, not needed."""
+  return next(m for m in (sub, 8, 1) if length % m == 0)
 
 
 def _divisor(length: int, cap: int, *multiples: int) -> int:
@@ -238,8 +239,10 @@ def resolve_tiles(given: TpuBlockSizes | None, problem: base.Problem) -> TpuBloc
           f"multiple of {multiple} or equal to it (backend {NAME!r}, TPU tiling)")
     return value
 
+  # The default's rule (_default_tiles): sublane multiples where they divide the length,
+  # else 8 (a bfloat16 length of 520 = 8 x 65 defaults to 104), else 1.
   for name in ("block_q", "block_q_dkv", "block_q_dq"):
-    check(name, q_len, sub)
+    check(name, q_len, _key_multiple(q_len, sub))
   for name in ("block_k", "block_k_dkv", "block_k_dq"):
     check(name, kv_len, _key_multiple(kv_len, sub))
   if given.block_q is None:

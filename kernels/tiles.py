@@ -55,9 +55,10 @@ class XlaBlockSizes:
 class TpuBlockSizes:
   """Tiles of the pallas_tpu kernels; None leaves a size to the per-generation default.
 
-  block_q is a row (sublane) count: a multiple of 8 (16 for 2-byte dtypes) or the whole local
-  query length; block_k is also a lane count (key positions are a [1, bk] row): a multiple of
-  128 or the whole local key length. Both must divide their lengths.
+  Both must divide their local lengths and be multiples of 16 for 2-byte dtypes where 16
+  divides the length, else of 8 where 8 does (a bfloat16 length of 520 takes 104), or be the
+  whole length; 128 key rows (a lane count: key positions are a [1, bk] row) are preferred,
+  not needed.
 
   Attributes:
     block_q, block_k: the forward kernel's tiles.

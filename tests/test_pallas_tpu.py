@@ -311,6 +311,13 @@ def test_block_sizes_follow_tpu_tiling():
     resolve(ringflash.TpuBlockSizes(24, 128), 256, 256, **kw)         # bf16 packs 16 rows
   with pytest.raises(ValueError, match="block_sizes.block_q"):
     resolve(ringflash.TpuBlockSizes(96, 128), 256, 256, **kw)         # does not divide
+  # 520 = 8 x 65: no 16-row tile divides it, so the default takes 104 (8-row multiples);
+  # the user may give that back, and 104 stays refused where 16 divides the length
+  default = resolve(None, 520, 520, **kw)
+  assert default == (104, 104)
+  assert resolve(ringflash.TpuBlockSizes(*default), 520, 520, **kw) == default
+  with pytest.raises(ValueError, match="block_sizes.block_q=104 .* multiple of 16"):
+    resolve(ringflash.TpuBlockSizes(104, 128), 1664, 256, **kw)
   with pytest.raises(ValueError, match="block_sizes"):
     ringflash.ring_attention(*helpers.inputs(0, 1, 256, 256, 2, 2, 128, jnp.float32)[:3],
                              mesh=helpers.mesh_of(2), backend=BACKEND,
