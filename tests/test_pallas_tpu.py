@@ -145,6 +145,23 @@ def test_tile_ranges_mark_exactly_the_tiles_of_the_per_tile_flags(causal, window
   want = _old_flags(q_pos, k_pos, q_seg, k_seg, _spec(causal, bq, bk, window=window), bq, bk)
   np.testing.assert_array_equal(got, want)
   assert 0 < want.sum() < want.size          # some tiles skipped, some not
+  # Both sides above share base.ranges_may_have_work; the tiles that hold a valid pair, from
+  # the mask's definition (oracle.py's), written out here: none may be skipped, and where
+  # every tile's positions are a run (contiguous and zigzag tiles) and no ids are given,
+  # the range test is exact, so nothing else is computed.
+  qp, kp = np.asarray(q_pos)[:, None], np.asarray(k_pos)[None, :]
+  valid = np.ones((t, s), bool)
+  if causal:
+    valid &= kp <= qp
+  if window is not None:
+    valid &= (kp >= qp - window[0]) & (kp <= qp + window[1])
+  valid = valid[None]
+  if q_seg is not None:
+    valid = valid & (np.asarray(q_seg)[:, :, None] == np.asarray(k_seg)[:, None, :])
+  truth = valid.reshape(-1, t // bq, bq, s // bk, bk).any(axis=(2, 4))
+  assert np.all(got[truth]), "a tile that holds a valid pair is skipped"
+  if layout != "striped" and q_seg is None:
+    np.testing.assert_array_equal(got, truth)
 
 
 def test_tiles_without_work_are_neither_read_nor_computed():
