@@ -79,8 +79,12 @@ PLATFORMS = {
 }
 
 
-def platform_of(platform: str, device_kind: str = "") -> Platform:
-  """The Platform of a device: GPUs share the H200's figures; TPUs by generation."""
+def platform_of(platform: str, device_kind: str = "", num_cores: int | None = None
+                ) -> Platform:
+  """The Platform of a device: GPUs share the H200's figures; TPUs by generation. A v4
+  device of one TensorCore (num_cores 1: how libtpu lists a v4 chip without megacore, as
+  two devices; the deviceless topologies of `ringflash plan` do) holds half the chip: half
+  its memory, rate and bandwidths."""
   if platform in ("gpu", "cuda"):
     return PLATFORMS["gpu"]
   if platform == "tpu":
@@ -88,7 +92,12 @@ def platform_of(platform: str, device_kind: str = "") -> Platform:
     for name in ("v5p", "v5e", "v6e", "v4"):
       if name in kind or (name == "v5e" and "lite" in kind and "v5" in kind) or (
           name == "v6e" and "v6" in kind):
-        return PLATFORMS[f"tpu {name}"]
+        plat = PLATFORMS[f"tpu {name}"]
+        if name == "v4" and num_cores == 1:
+          plat = dataclasses.replace(
+              plat, rate=plat.rate / 2, ring_bw=plat.ring_bw / 2, memory=plat.memory / 2,
+              collective_bw=plat.collective_bw / 2, hbm_bw=plat.hbm_bw / 2)
+        return plat
     return PLATFORMS["tpu v5p"]
   return PLATFORMS["cpu"]
 
@@ -231,7 +240,8 @@ def choose(call, axes, *, platform: str, device=None) -> Choice:
   more mesh axes. Ties (within 1%) go to the ring, which needs nothing of the head count.
   """
   from ringflash.parallel import strategies  # pylint: disable=g-import-not-at-top
-  plat = platform_of(platform, getattr(device, "device_kind", "") or "")
+  plat = platform_of(platform, getattr(device, "device_kind", "") or "",
+                     getattr(device, "num_cores", None))
   names = ["ring", "allgather", "ulysses"] + (["hybrid"] if len(axes.names) > 1 else [])
   base_bytes = common_bytes(call, axes)
   out = []

@@ -201,6 +201,33 @@ def test_a_v4_plan_is_per_device_with_its_share_of_the_chips_hbm():
   assert "1024 tokens per device" in shown.getvalue()
 
 
+@needs_libtpu
+def test_the_cost_model_gives_a_v4_tensorcore_half_the_chip():
+  """The strategy estimates compare with the device's memory as the plan does: a v4 device
+  of one TensorCore holds 16 GiB (the cost model took the chip's 32 GiB, and `auto`'s table
+  called strategies of 18 and 24 GiB fitting beside a compiled 16 GiB bound)."""
+  from jax.experimental import topologies
+  from ringflash.parallel import cost
+  device = topologies.get_topology_desc(platform="tpu", topology_name="v4:2x2x1").devices[0]
+  assert device.num_cores == 1
+  half = cost.platform_of("tpu", device.device_kind, device.num_cores)
+  whole = cost.platform_of("tpu", "TPU v4", 2)            # a megacore v4 device: the chip
+  assert (half.memory, whole.memory) == (16 * 2**30, 32 * 2**30)
+  assert half.rate == whole.rate / 2
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  import ringflash
+  devices = topologies.get_topology_desc(platform="tpu", topology_name="v4:2x2x1").devices
+  mesh = Mesh(np.array(devices), ("sp",))
+  seq = NamedSharding(mesh, PartitionSpec(None, "sp"))
+  args = [jax.ShapeDtypeStruct((1, 1572864, h, 128), "bfloat16", sharding=seq)
+          for h in (32, 8, 8)]
+  choice = ringflash.explain(*args, mesh=mesh, is_causal=True, strategy="auto")
+  fits = {e.strategy: e.fits for e in choice.estimates}
+  assert fits == {"ring": False, "allgather": False, "ulysses": True}, str(choice)
+
+
 def test_a_buffer_size_two_roles_share_is_named_as_either():
   """With N = K, dq (fp32) is as large as dk; with N = 2K, q as large as K/V together: the
   breakdown names every role of the size (it kept the last one, calling dq dk)."""
