@@ -308,14 +308,24 @@ def test_topology_names_give_their_chips(topology, chips):
 
 
 @pytest.mark.parametrize("topology", ["nonsense", "v5p", "v5p:2x2x0", "v9:2x2x2", "v5p:2",
-                                      "v5p:2x2x2x2", "V5P:2x2x2", "v5p:2x2x2 "])
+                                      "v5p:2x2x2x2", "V5P:2x2x2", "v5p:2x2x2 ",
+                                      "v5litepod:2x2"])
 def test_malformed_topologies_are_usage_errors(topology):
   with pytest.raises(UsageError, match="--topology"):
     planner.topology_chips(topology)
 
 
+@needs_libtpu
+def test_every_generation_the_help_names_is_one_libtpu_knows():
+  """--topology's help lists the generations of HBM_BYTES; each must give devices (it listed
+  v5litepod, a name of Cloud TPU's accelerator types that libtpu rejects)."""
+  for gen in planner.HBM_BYTES:
+    topology = f"{gen}:2x2" if gen in planner.PLANAR else f"{gen}:2x2x1"
+    assert len(planner.topology_devices(topology)) in (4, 8), topology
+
+
 @pytest.mark.parametrize("topology", ["v5e:4x4x4", "v5e:4x4x2", "v5e:2x2x2", "v6e:2x2x2",
-                                      "v6e:4x4x4", "v5litepod:2x2x2"])
+                                      "v6e:4x4x4"])
 def test_a_third_size_of_a_2d_generation_is_a_usage_error(topology):
   """v5e and v6e slices are 2-D. libtpu takes v5e:2x2x2 as hosts of 2x2 chips stacked along
   an axis these chips do not have, and aborts the process compiling for v5e:4x4x4."""

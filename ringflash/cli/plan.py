@@ -87,15 +87,14 @@ def define_flags() -> None:
 
 
 # HBM per chip, by the topology name's prefix.
-HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 10**9, "v5litepod": 16 * 10**9,
-             "v5p": 95 * 2**30, "v6e": 32 * 10**9}
+HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 10**9, "v5p": 95 * 2**30, "v6e": 32 * 10**9}
 
 # The generations whose slices are 2-D (chips linked along x and y only). libtpu still takes
 # a third size there and reads v5e:2x2x2 as two hosts of 2x2 chips stacked along a z axis that
 # these chips do not have (chip coordinates z = 0, 1): no slice that exists. And it aborts the
 # process (`Check failed: Topology()->chip_bounds().z == 1`) when it compiles for some of
 # them, v5e:4x4x2 and v5e:4x4x4 among them. So a third size must be 1.
-PLANAR = ("v5e", "v5litepod", "v6e")
+PLANAR = ("v5e", "v6e")
 
 # <generation>:<AxB> or <AxBxC>, each size >= 1 (libtpu aborts the process on a 0), with
 # libtpu's optional twist suffix.
