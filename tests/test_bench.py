@@ -140,16 +140,35 @@ def test_a_row_in_which_nothing_ran_is_an_error():
     harness.time_in_turns({"cudnn": (fails, ())}, warmup=0, iters=2)
 
 
-def test_time_median_never_times_the_first_call():
-  """With --warmup=0 the virtual and layouts modes timed the compile (the first call of a
-  jitted function): one untimed call always comes first."""
-  from ringflash.cli.bench import harness
-  calls = []
-  harness.time_median(lambda: calls.append(1), warmup=0, iters=3)
-  assert len(calls) == 4
-  calls.clear()
-  harness.time_median(lambda: calls.append(1), warmup=2, iters=1)
-  assert len(calls) == 3
+@pytest.mark.parametrize("mode", ["virtual", "layouts", "scaling"])
+def test_modes_time_what_they_compare_in_turns(mode, monkeypatch):
+  """Each mode's figures are ratios (ring steps over one call, the slowest simulated device
+  over the mean, P devices over one): what they compare takes turns call by call, after an
+  untimed first call of each. These modes timed one side's calls all before the other's."""
+  from ringflash.cli.bench import harness, layouts, scaling, virtual
+  timed = []
+  seconds = harness.seconds
+
+  def logged(fn, *args):
+    timed.append((id(fn),) + tuple(id(a) for a in args))
+    return seconds(fn, *args)
+
+  monkeypatch.setattr(harness, "seconds", logged)
+  f = types.SimpleNamespace(seq_lens=["32"], ring_sizes=["4"], kv_heads=["1"], heads=2,
+                            head_dim=16, batch=1, warmup=0, iters=3, causal=["false"],
+                            layout="contiguous", backward=True, collectives_in_flight=None,
+                            hlo_dir=None)
+  {"virtual": virtual, "layouts": layouts, "scaling": scaling}[mode].run(f)
+  # one set of turns: virtual's; layouts', one per layout; scaling's, the forward's and
+  # then the forward+backward's
+  sets = {"virtual": 1, "layouts": 3, "scaling": 2}[mode]
+  size = len(timed) // sets
+  for part in (timed[i * size:(i + 1) * size] for i in range(sets)):
+    n = len(set(part))
+    assert n > 1
+    assert len(part) == n * (1 + f.iters)                 # one untimed call each
+    for r in range(f.iters):
+      assert len(set(part[n * (r + 1):n * (r + 2)])) == n, (mode, r)   # each once a round
 
 
 def test_ratio_is_the_median_of_the_rounds_ratios():

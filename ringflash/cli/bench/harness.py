@@ -1,9 +1,10 @@
 """The timing harness of `ringflash bench`, shared by its modes (and by scripts/).
 
-Time is wall clock around `jax.block_until_ready`: `seconds` for one call, `time_median`
-for the median of --iters calls after --warmup (at least one), `time_in_turns` for several
-implementations of one computation timed round by round (a drift of the device's clock falls on all of them
-alike), `ratio_by_round` for the ratio of two implementations from those rounds.
+Time is wall clock around `jax.block_until_ready`: `seconds` for one call, `time_in_turns`
+for several implementations of one computation timed round by round after --warmup calls
+of each (at least one: the first compiles), so that a drift of the device's clock falls on
+all of them alike, and `ratio_by_round` for the ratio of two implementations from those
+rounds. Every mode times what it compares this way.
 
 The implementations (`attention_fns`): "ringflash" is `ringflash.ring_attention` with the
 backend picked for the device ("auto"), "xla" the same with backend="xla", "cudnn"
@@ -46,14 +47,6 @@ def seconds(fn, *args) -> float:
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
   return time.perf_counter() - t0
-
-
-def time_median(fn, *args, warmup: int, iters: int) -> float:
-  """Median seconds of `iters` calls of fn(*args) after max(warmup, 1) untimed calls (the
-  first call of a jitted function compiles it: it is never timed)."""
-  for _ in range(max(warmup, 1)):
-    seconds(fn, *args)
-  return statistics.median(seconds(fn, *args) for _ in range(iters))
 
 
 def _first_line(err: BaseException) -> str:

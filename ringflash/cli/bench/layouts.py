@@ -3,8 +3,9 @@
 For each layout (contiguous, zigzag, striped) every device of a ring of P runs its P steps
 (introspect.device_steps: kernel and merge as the ring runs them) with its own query
 positions and, at step s, the positions of the block it holds then
-(introspect.held_source), timed one device at a time. The ring runs as long as its slowest
-device; max/mean shows the balance. P = 4, zigzag, T_local = 256 (chunks of 128): device 1
+(introspect.held_source); the simulated devices take turns call by call
+(harness.time_in_turns). The ring runs as long as its slowest device; max/mean shows the
+balance. P = 4, zigzag, T_local = 256 (chunks of 128): device 1
 holds positions 128..255 and 768..895; at step 1 it holds device 0's block, 0..127 and
 896..1023.
 
@@ -13,6 +14,8 @@ zigzag chunk T_local / 2 and so every layout's rows.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -53,12 +56,13 @@ def run(f) -> list[dict]:
         device_steps = introspect.device_steps(ring)
         for layout in layouts.LAYOUTS:
           pos = introspect.layout_positions(layout, p, tl * p)           # [P, tl]
-          times = []
+          calls = {}
           for i in range(p):
             held = jnp.asarray(pos[[introspect.held_source(ring, tl, tl, i, s)
                                     for s in range(p)]])                  # [P steps, tl]
-            times.append(harness.time_median(device_steps, q, k, v, jnp.asarray(pos[i]), held,
-                                             warmup=f.warmup, iters=f.iters))
+            calls[i] = (device_steps, (q, k, v, jnp.asarray(pos[i]), held))
+          rounds, _ = harness.time_in_turns(calls, warmup=f.warmup, iters=f.iters, peers=())
+          times = [statistics.median(rounds[i]) for i in range(p)]
           ring_ms, mean_ms = 1e3 * max(times), 1e3 * sum(times) / p
           row = {"layout": layout, "T_local": tl, "P": p, "K": kh, "ring_ms": ring_ms,
                  "mean_ms": mean_ms, "max_over_mean": ring_ms / mean_ms,

@@ -12,6 +12,8 @@ outside the loop, and timed one call and P merges.)
 
 from __future__ import annotations
 
+import statistics
+
 import jax
 import jax.numpy as jnp
 
@@ -55,11 +57,15 @@ def run(f) -> list[dict]:
           o, lse = whole(q, k, v, pos, pos_w)
           return o.astype(q.dtype), lse
 
-        t_ring = harness.time_median(ring_steps, q, kw, vw, warmup=f.warmup, iters=f.iters)
-        t_one = harness.time_median(one_call, q, kw, vw, warmup=f.warmup, iters=f.iters)
+        times, _ = harness.time_in_turns(
+            {"ring_steps": (ring_steps, (q, kw, vw)), "one_call": (one_call, (q, kw, vw))},
+            warmup=f.warmup, iters=f.iters, peers=())
+        t_ring, t_one = (statistics.median(times[x]) for x in ("ring_steps", "one_call"))
         flops = harness.flops(b, n, tl, tl * p, h, False)
+        overhead = statistics.median(   # by round: ring steps over one call in one round
+            r / o for r, o in zip(times["ring_steps"], times["one_call"])) - 1.0
         row = {"T_local": tl, "P": p, "K": kh, "ring_ms": t_ring * 1e3, "one_ms": t_one * 1e3,
-               "overhead": t_ring / t_one - 1.0, "ring_tflops": flops / t_ring / 1e12,
+               "overhead": overhead, "ring_tflops": flops / t_ring / 1e12,
                "one_tflops": flops / t_one / 1e12, "backend": ring.backend}
         rows.append(row)
         print(f"T_local={tl:>6} P={p} K={kh:>2}: {p} ring steps {t_ring * 1e3:8.2f} ms "
