@@ -8,6 +8,8 @@ import subprocess
 import sys
 import types
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import ringflash
@@ -408,3 +410,20 @@ def test_device_steps_take_block_s_at_step_s_and_run_the_kernel_in_the_loop():
   assert dots and all(any(line in comps[name] for name in inside) for line in dots)
   with pytest.raises(ValueError, match="k and v must hold S=64 keys"):
     steps(q, k[:, :100], v[:, :100], pos, held)
+
+
+def test_plain_ulysses_baseline_copies_kv_heads_up_to_a_multiple_of_the_devices(capsys):
+  """6 kv heads on 4 devices: the baseline copies each kv head twice (12), as many as Ulysses
+  needs; it repeated each 4 // 6 = 0 times and left itself out with an error. A row without
+  one GPU's time prints no comparison of auto (it printed +0.000 against the best)."""
+  import helpers
+  import oracle
+  from ringflash.cli.bench import strategies
+  q, k, v, _ = helpers.inputs(3, 1, 64, 64, 12, 6, 16, jnp.float32)
+  got = jax.jit(strategies._baseline("ulysses_cudnn", helpers.mesh_of(4), False))(q, k, v)
+  want, _ = oracle.attention(q, k, v)
+  assert helpers.max_err(got, want) <= helpers.fp32_tol(want)
+  strategies._print({"P": 4, "T_local": 16, "K": 6, "causal": False, "auto_choice": "ring",
+                     "one_gpu_error": "RuntimeError: out of memory"})
+  printed = capsys.readouterr().out
+  assert "auto took ring (no efficiency: one GPU's cuDNN did not run)" in printed, printed

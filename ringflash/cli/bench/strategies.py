@@ -11,7 +11,8 @@ P devices of the process, side by side with turns interleaved (harness.time_in_t
                per device, an all-to-all back;
   allgather_cudnn  gather K/V, cuDNN on the local queries against all keys (non-causal
                rows only: cuDNN's causal mask cannot be placed at a device's offset).
-Efficiency = (one_gpu's time / P) / the implementation's time, forward and forward+backward.
+Efficiency = (one_gpu's time / P) / the implementation's time, forward and forward+backward,
+the median over rounds of the ratio in each round (harness.ratio_by_round).
 Causal rows give ringflash's strategies the zigzag layout (inputs permuted once, as a data
 loader does) and the baselines the natural order (they attend the whole sequence per device
 or are non-causal). The table says which strategy "auto" took and how far it is from the
@@ -21,7 +22,7 @@ best implementation of the row.
 from __future__ import annotations
 
 import functools
-import statistics
+import math
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +52,8 @@ def _baseline(name: str, mesh: Mesh, causal: bool):
   def ulysses(q, k, v):
     p = jax.lax.axis_size("sp")
     kh = k.shape[2]
-    if kh % p:
-      k, v = (jnp.repeat(x, p // kh, axis=2) for x in (k, v))
+    if kh % p:        # copies of each kv head up to a multiple of P (4 of 6 on P = 4: 12)
+      k, v = (jnp.repeat(x, p // math.gcd(kh, p), axis=2) for x in (k, v))
     to = functools.partial(jax.lax.all_to_all, axis_name="sp", split_axis=2, concat_axis=1,
                            tiled=True)
     out = _cudnn(to(q), to(k), to(v), causal)
@@ -159,10 +160,9 @@ def run(f) -> list[dict]:
             row[f"{name}_error"] = err
           if "one_gpu" not in times:
             continue
-          ideal = statistics.median(times["one_gpu"]) / p
-          for name, ts in times.items():
+          for name, ts in times.items():     # (one GPU's time / P) / ours, by round
             if name != "one_gpu":
-              row[f"{name}_{phase}_eff"] = ideal / statistics.median(ts)
+              row[f"{name}_{phase}_eff"] = harness.ratio_by_round(ts, times["one_gpu"]) / p
         q_l, k_l, v_l = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
         row["auto_choice"] = ringflash.explain(q_l, k_l, v_l, mesh=mesh, is_causal=causal,
                                                layout=layout).strategy
@@ -177,10 +177,12 @@ def _print(row: dict) -> None:
       f"{n} {row[f'{n}_fwd_eff']:.2f}|{harness.figure(row.get(f'{n}_fwdbwd_eff'), 2)}"
       for n in names)
   best = max((row.get(f"{n}_fwdbwd_eff", row[f"{n}_fwd_eff"]) for n in names if n != "auto"),
-             default=0.0)
-  auto = row.get("auto_fwdbwd_eff", row.get("auto_fwd_eff", 0.0))
+             default=None)
+  auto = row.get("auto_fwdbwd_eff", row.get("auto_fwd_eff"))
+  versus = (f" ({auto - best:+.3f} vs the best)" if auto is not None and best is not None
+            else " (no efficiency: one GPU's cuDNN did not run)")
   print(f"P={row['P']} T/P={row['T_local']} K={row['K']} causal={row['causal']}: {cells}; "
-        f"auto took {row['auto_choice']} ({auto - best:+.3f} vs the best)", flush=True)
+        f"auto took {row['auto_choice']}{versus}", flush=True)
   for key, val in row.items():
     if key.endswith("_error"):
       print(f"    {key}: {val}", flush=True)
