@@ -293,13 +293,6 @@ def _tile_ranges(pos: np.ndarray, block: int):
   return tiles.min(axis=-1), tiles.max(axis=-1)
 
 
-def _count_tiles(q_lo, q_hi, k_lo, k_hi, causal, window) -> int:
-  """Number of (q tile, k tile) pairs passing base.ranges_may_have_work, the kernels' test."""
-  work = base.ranges_may_have_work(q_lo[:, None], q_hi[:, None], k_lo[None, :],
-                                   k_hi[None, :], causal=causal, window=window)
-  return int(np.broadcast_to(work, (len(q_lo), len(k_lo))).sum())
-
-
 @functools.lru_cache(maxsize=256)
 def plan_ring(layout: str, ring_size: int, q_len: int, kv_len: int, block_q: int,
               block_k: int, causal: bool, window: tuple[int, int] | None = None,
@@ -348,13 +341,14 @@ def plan_ring(layout: str, ring_size: int, q_len: int, kv_len: int, block_q: int
   d = np.arange(p)[:, None]
   needed = full_tiles[d, (d - offsets[None, :]) % p, 0].sum(axis=0) > 0     # [P] by offset
   needed[0] = True
-  best = (p - 1, 0)
-  for a in range(p):
-    later = [o for o in range(a + 1, p) if needed[o]]
-    b = p - min(later) if later else 0
-    if a + b < sum(best):
-      best = (a, b)
-  a, b = best
+  # For each a (steps of the +1 lane), the -1 lane must reach back to the first needed
+  # offset above a: b = P - that offset (0 if none). The smallest a + b, the first a on a tie,
+  # and the full ring (P - 1, 0) unless something is shorter.
+  first_above = np.minimum.accumulate(np.where(needed, offsets, p)[::-1])[::-1]
+  first_above = np.append(first_above[1:], p)                  # the first needed o > a
+  total = offsets + np.where(first_above < p, p - first_above, 0)
+  a = int(np.argmin(total))
+  a, b = (a, int(total[a]) - a) if total[a] < p - 1 else (p - 1, 0)
   if a + b < p - 1:
     lanes = (Lane(part=0, direction=1, first=0, last=a),)
     if b:
@@ -370,19 +364,28 @@ def plan_ring(layout: str, ring_size: int, q_len: int, kv_len: int, block_q: int
                   full_tiles, group)
 
 
+_PAIRS_PER_BLOCK = 2**24
+
+
 def _tile_counts(layout, ring_size, q_len, kv_len, block_q, block_k, causal, window, parts,
                  group=1):
+  """[P, P, parts] tile counts (RingPlan.tiles), evaluated on blocks of query devices at a
+  time (about 2^24 tile pairs a block): one NumPy expression per block, not one per pair
+  of devices, so that a ring of 1024 devices plans in well under a second."""
   piece = kv_len // parts
   q_pos = layout_positions(layout, ring_size, q_len * ring_size, group)
   k_pos = layout_positions(layout, ring_size, kv_len * ring_size, group)
   q_lo, q_hi = _tile_ranges(q_pos, block_q)                           # [P, nq]
   k_lo, k_hi = _tile_ranges(k_pos.reshape(ring_size, parts, piece), block_k)  # [P, parts, nk]
+  nq, nk = q_lo.shape[-1], k_lo.shape[-1]
+  per = max(1, _PAIRS_PER_BLOCK // (ring_size * parts * nq * nk))
   tiles = np.zeros((ring_size, ring_size, parts), dtype=np.int64)
-  for dq in range(ring_size):
-    for dk in range(ring_size):
-      for part in range(parts):
-        tiles[dq, dk, part] = _count_tiles(q_lo[dq], q_hi[dq], k_lo[dk, part], k_hi[dk, part],
-                                           causal, window)
+  k_lo, k_hi = k_lo[None, :, :, None, :], k_hi[None, :, :, None, :]   # [1, P, parts, 1, nk]
+  for start in range(0, ring_size, per):
+    lo, hi = (x[start:start + per, None, None, :, None] for x in (q_lo, q_hi))
+    work = base.ranges_may_have_work(lo, hi, k_lo, k_hi, causal=causal, window=window)
+    shape = (lo.shape[0], ring_size, parts, nq, nk)
+    tiles[start:start + per] = np.broadcast_to(work, shape).sum(axis=(3, 4))
   return tiles
 
 

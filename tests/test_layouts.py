@@ -510,3 +510,70 @@ def test_sharded_entry_validates_layout():
   q = jnp.zeros((1, 12, N, H))     # 3 per device: not two whole zigzag chunks
   with pytest.raises(ValueError, match="layout"):
     jax.jit(fn).lower(q, jnp.zeros((1, 12, 2, H)))
+
+
+def _plan_pair_by_pair(layout, p, q_len, kv_len, bq, bk, causal, window, bidirectional, group):
+  """The plan's tile counts and lanes as the planner first computed them: the range test on
+  each pair of devices, then each +1 lane length a in turn."""
+  def counts(parts):
+    q_pos = ring_plan.layout_positions(layout, p, q_len * p, group)
+    k_pos = ring_plan.layout_positions(layout, p, kv_len * p, group)
+    k_pos = k_pos.reshape(p, parts, kv_len // parts)
+    tiles = np.zeros((p, p, parts), np.int64)
+    for d in range(p):
+      q_lo, q_hi = ring_plan._tile_ranges(q_pos[d], bq)
+      for e in range(p):
+        for part in range(parts):
+          k_lo, k_hi = ring_plan._tile_ranges(k_pos[e, part], bk)
+          work = base.ranges_may_have_work(q_lo[:, None], q_hi[:, None], k_lo[None],
+                                           k_hi[None], causal=causal, window=window)
+          tiles[d, e, part] = np.broadcast_to(work, (len(q_lo), len(k_lo))).sum()
+    return tiles
+
+  full = counts(1)
+  needed = [o == 0 or any(full[d, (d - o) % p, 0] for d in range(p)) for o in range(p)]
+  best = (p - 1, 0)
+  for a in range(p):
+    later = [o for o in range(a + 1, p) if needed[o]]
+    b = p - min(later) if later else 0
+    if a + b < sum(best):
+      best = (a, b)
+  if sum(best) < p - 1:
+    return full, best
+  if bidirectional and p > 1:
+    return counts(2), "both"
+  return full, best
+
+
+@pytest.mark.parametrize("pairs_per_block", [2**24, 50])
+def test_plan_tile_counts_and_lanes_match_a_pair_by_pair_count(pairs_per_block, monkeypatch):
+  """The planner counts tiles with one expression per block of query devices (a pair of
+  devices at a time took minutes at 4096 devices) and picks lanes without a loop over every
+  lane length: both as the pair-by-pair count gives them, over layouts, windows on either
+  side, the bidirectional halves, the hybrid's groups, tiles that do not divide the rows,
+  and blocks of one or a few query devices."""
+  monkeypatch.setattr(ring_plan, "_PAIRS_PER_BLOCK", pairs_per_block)
+  ring_plan.plan_ring.cache_clear()       # plans of the other block size stay out
+  rng = np.random.default_rng(7)
+  cases = 0
+  for layout in ring_plan.LAYOUTS:
+    for p in (1, 2, 3, 5, 8, 12):
+      for window in (None, (0, 0), (6, 0), (0, 9), (20, 3), (70, 70)):
+        causal = bool(rng.integers(2))
+        bidirectional = bool(rng.integers(2))
+        group = int(rng.choice([1, 2])) if layout == "contiguous" else 1
+        q_len, kv_len = 8 * group * int(rng.integers(1, 4)), 8 * group * int(rng.integers(1, 4))
+        bq, bk = int(rng.choice([2, 3, 4])), int(rng.choice([2, 4, 5]))
+        plan = ring_plan.plan_ring(layout, p, q_len, kv_len, bq, bk, causal, window,
+                                   bidirectional, group)
+        tiles, lanes = _plan_pair_by_pair(layout, p, q_len, kv_len, bq, bk, causal, window,
+                                          bidirectional, group)
+        np.testing.assert_array_equal(plan.tiles, tiles)
+        if lanes == "both":
+          assert plan.parts == 2 and [l.direction for l in plan.lanes] == [1, -1]
+        else:
+          a, b = lanes
+          assert plan.parts == 1 and plan.lanes[0].last == a
+          assert (plan.lanes[1].last if len(plan.lanes) > 1 else 0) == b
+        cases += 1
+  assert cases == 108
