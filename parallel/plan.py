@@ -284,8 +284,8 @@ class RingPlan:
 
 def _tile_ranges(pos: np.ndarray, block: int):
   """Smallest and largest position of each tile of `block` rows: [..., ceil(n / block)]
-  each; a last tile of fewer rows where block does not divide n (the pallas_gpu backend pads
-  such a run with rows at its last position, kernels/pallas_gpu.py)."""
+  each; a last tile of fewer rows where block does not divide n (the pallas_gpu and xla
+  backends pad such a run with rows at its last position, kernels/base.fit_rows)."""
   short = -pos.shape[-1] % block
   if short:
     pos = np.concatenate([pos, np.repeat(pos[..., -1:], short, axis=-1)], axis=-1)
@@ -323,9 +323,10 @@ def plan_ring(layout: str, ring_size: int, q_len: int, kv_len: int, block_q: int
     q_len, kv_len: LOCAL query and key lengths per device.
     block_q, block_k: tile sizes, which divide q_len and kv_len (kv_len / 2 when
       bidirectional) and the zigzag chunks (q_len / 2, kv_len / 2), so that no tile
-      straddles two chunks, except where the pallas_gpu backend pads a run the tiles do not
-      divide (ring_attention_sharded's local lengths): there a tile may straddle two chunks
-      and counts as the range of its real rows, which the kernel's range test also sees.
+      straddles two chunks, except where a backend pads a run its tiles do not divide
+      (pallas_gpu at ring_attention_sharded's local lengths; xla's default tiles of a length
+      without a divisor of 64-512 rows): there a tile may straddle two chunks and counts as
+      the range of its real rows, which the kernel's range test also sees.
     causal: causal masking.
     window: None or (left, right).
     bidirectional: split K/V over two opposite lanes.
