@@ -19,7 +19,9 @@ alone is the same in every measured row) from:
   memory     the arrays each strategy holds per device beyond the common ones (q, k, v, out,
              their gradients): the ring's two K/V blocks in flight and float32 accumulators,
              the all-gather's whole-sequence K/V (and float32 dK/dV), Ulysses' head-sharded
-             copies. A strategy that does not fit the device's memory is not chosen.
+             copies. A strategy that does not fit the device's memory (its allocator's
+             limit where the device gives one, device_memory; else the generation's
+             figure below) is not chosen.
 
 Calibration (PLATFORMS below):
   gpu (H200): R = 540 TFLOP/s forward+backward on long calls (ANCHORS: our kernel 0.92-0.97
@@ -100,6 +102,21 @@ def platform_of(platform: str, device_kind: str = "", num_cores: int | None = No
         return plat
     return PLATFORMS["tpu v5p"]
   return PLATFORMS["cpu"]
+
+
+def device_memory(device) -> float | None:
+  """The bytes a device's allocator may hand out (memory_stats' bytes_limit: on a GPU, the
+  card's memory times XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 by default), or None where the
+  device does not say (CPU devices; the deviceless TPU devices of `ringflash plan`, whose
+  generation's figure stands). The GPU figure of PLATFORMS is an H200's 139 GiB, which an
+  80 GiB H100 does not have."""
+  stats_of = getattr(device, "memory_stats", None)
+  try:
+    stats = stats_of() if stats_of is not None else None
+  except Exception:  # pylint: disable=broad-except  # not addressable: deviceless
+    return None
+  limit = (stats or {}).get("bytes_limit")
+  return float(limit) if limit else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +259,8 @@ def choose(call, axes, *, platform: str, device=None) -> Choice:
   from ringflash.parallel import strategies  # pylint: disable=g-import-not-at-top
   plat = platform_of(platform, getattr(device, "device_kind", "") or "",
                      getattr(device, "num_cores", None))
+  if platform != "cpu" and (limit := device_memory(device)) is not None:
+    plat = dataclasses.replace(plat, memory=limit)
   names = ["ring", "allgather", "ulysses"] + (["hybrid"] if len(axes.names) > 1 else [])
   base_bytes = common_bytes(call, axes)
   out = []

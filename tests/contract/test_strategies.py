@@ -301,6 +301,42 @@ def test_the_cost_model_charges_the_hops_the_ring_runs(window, steps):
     assert ring < cost.estimate("ulysses", call, axes, plat).seconds
 
 
+def test_the_cost_model_takes_the_gpus_own_memory():
+  """A GPU's memory is what its allocator says (memory_stats' bytes_limit), not the H200's
+  139 GiB the model assumed for every GPU: on a card with less, a strategy that does not fit
+  it is marked so and not chosen. A device that gives no figure keeps the model's."""
+  from ringflash import _validate  # pylint: disable=g-import-not-at-top
+  from ringflash.parallel import cost  # pylint: disable=g-import-not-at-top
+
+  class Gpu:
+    platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    def __init__(self, limit):
+      self.limit = limit
+
+    def memory_stats(self):
+      return {"bytes_limit": self.limit, "bytes_in_use": 0}
+
+  p, t = 8, 8 * 131072
+  x = jax.ShapeDtypeStruct((1, t, 32, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, t, 8, 128), jnp.bfloat16)
+  call = _validate.check_call(x, kv, kv, ring_size=p, local=False, pads=True, is_causal=True)
+  axes = _validate.SeqAxes(("sp",), (p,))
+  roomy = cost.choose(call, axes, platform="gpu", device=Gpu(2**50))
+  assert all(e.fits for e in roomy.estimates)
+  common = roomy.common_bytes
+  extra = {e.strategy: e.extra_bytes for e in roomy.estimates}
+  assert cost.choose(call, axes, platform="gpu", device=None).estimates == roomy.estimates
+  # room for the smallest strategy's extra arrays and no more: it alone fits and is chosen
+  least = min(extra, key=extra.get)
+  assert sorted(extra.values())[1] > extra[least]
+  tight = cost.choose(call, axes, platform="gpu", device=Gpu(common + extra[least]))
+  assert [e.strategy for e in tight.estimates if e.fits] == [least]
+  assert tight.strategy == least
+  assert cost.device_memory(Gpu(80 * 2**30)) == 80 * 2**30
+  assert cost.device_memory(jax.devices()[0]) is None            # CPU devices give none
+
+
 # strategy, backend, layout, P, T, block_q, block_k: tiles larger than a device's share (the
 # contiguous case's 15 too, 60 tokens on 4 devices), which divide what the kernel sees.
 SPANNING = [
