@@ -55,10 +55,10 @@ class XlaBlockSizes:
 class TpuBlockSizes:
   """Tiles of the pallas_tpu kernels; None leaves a size to the per-generation default.
 
-  Both must divide their local lengths and be multiples of 16 for 2-byte dtypes where 16
-  divides the length, else of 8 where 8 does (a bfloat16 length of 520 takes 104), or be the
-  whole length; 128 key rows (a lane count: key positions are a [1, bk] row) are preferred,
-  not needed.
+  Every size must divide its local length and be a multiple of the sublanes (16 for 2-byte
+  dtypes, 8 for 4-byte ones) where those divide the length, else of 8 where 8 does (a
+  bfloat16 length of 520 takes 104), or be the whole length. 128 key rows (a lane count:
+  key positions are a [1, bk] row) are preferred, not needed.
 
   Attributes:
     block_q, block_k: the forward kernel's tiles.

@@ -52,7 +52,7 @@ def _baseline(name: str, mesh: Mesh, causal: bool):
   def ulysses(q, k, v):
     p = jax.lax.axis_size("sp")
     kh = k.shape[2]
-    if kh % p:        # copies of each kv head up to a multiple of P (4 of 6 on P = 4: 12)
+    if kh % p:        # each kv head copied up to a multiple of P (K = 6, P = 4: twice, 12)
       k, v = (jnp.repeat(x, p // math.gcd(kh, p), axis=2) for x in (k, v))
     to = functools.partial(jax.lax.all_to_all, axis_name="sp", split_axis=2, concat_axis=1,
                            tiled=True)
