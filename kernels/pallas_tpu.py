@@ -163,7 +163,7 @@ def unsupported(problem: base.Problem) -> str | None:
   return None
 
 
-def _key_multiple(length: int, sub: int) -> int:
+def _tile_multiple(length: int, sub: int) -> int:
   """The multiple every tile of a local length is made of, query or key: the sublanes (16
   for 2-byte dtypes, else 8) where they divide it, else 8, else 1 (a length that is not a
   multiple of 8 runs only interpreted: `unsupported`). Key positions are stored per tile
@@ -195,7 +195,7 @@ def _default_tiles(problem: base.Problem, block_k: int | None) -> tuple[int, int
   budget = _BUDGET * vmem
   q_len, kv_len = problem.q_len, problem.kv_len
   hk = _heads_per_block(problem.kv_heads)
-  k_multiple = _key_multiple(kv_len, sub)
+  k_multiple = _tile_multiple(kv_len, sub)
 
   bk = block_k if block_k is not None else _divisor(kv_len, cap_k, _LANES, sub, 8)
   while True:
@@ -242,9 +242,9 @@ def resolve_tiles(given: TpuBlockSizes | None, problem: base.Problem) -> TpuBloc
   # The default's rule (_default_tiles): sublane multiples where they divide the length,
   # else 8 (a bfloat16 length of 520 = 8 x 65 defaults to 104), else 1.
   for name in ("block_q", "block_q_dkv", "block_q_dq"):
-    check(name, q_len, _key_multiple(q_len, sub))
+    check(name, q_len, _tile_multiple(q_len, sub))
   for name in ("block_k", "block_k_dkv", "block_k_dq"):
-    check(name, kv_len, _key_multiple(kv_len, sub))
+    check(name, kv_len, _tile_multiple(kv_len, sub))
   if given.block_q is None:
     bq, bk, _ = _default_tiles(problem, given.block_k)
   else:
