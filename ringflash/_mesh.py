@@ -49,10 +49,32 @@ def check_context(mesh: Mesh, remedy: str = "pass that mesh, or mesh=None to use
   Raises:
     ValueError: naming mesh, when it is not the context mesh.
   """
+  check_not_in_shard_map()
   abstract = jax.sharding.get_abstract_mesh()
   if not abstract.empty and mesh.abstract_mesh != abstract:
     raise ValueError(f"mesh={mesh} is not the context mesh ({abstract}, of jax.set_mesh; "
                      f"axis types count): {remedy}")
+
+
+def check_not_in_shard_map() -> None:
+  """ring_attention, explain, decode_attention and a KVCache's methods run a shard_map of
+  their own over the whole mesh; inside a caller's shard_map (the context mesh has Manual
+  axes) they cannot. Refused here with what to call instead: the checks of the context mesh
+  that follow told such a caller to pass the mesh, and then to pass mesh=None, in turn.
+
+  Raises:
+    NotImplementedError: naming the Manual axes.
+  """
+  abstract = jax.sharding.get_abstract_mesh()
+  if abstract.empty:
+    return
+  manual = [name for name, kind in zip(abstract.axis_names, abstract.axis_types)
+            if kind == AxisType.Manual]
+  if manual:
+    raise NotImplementedError(
+        f"called inside a shard_map (the context mesh's axes {manual} are Manual): this "
+        f"call runs a shard_map of its own over the whole mesh; inside a shard_map, call "
+        f"ringflash.ring_attention_sharded on the local blocks, or make this call outside")
 
 
 def check_placed(mesh: Mesh, **arrays) -> None:
@@ -87,6 +109,17 @@ def check_placed(mesh: Mesh, **arrays) -> None:
           f"{name} is committed to devices {sorted(d.id for d in placed)}, not to the mesh's "
           f"{sorted(d.id for d in devices)}: put it on the mesh (jax.device_put with a "
           f"NamedSharding of mesh)")
+    # jit also wants the devices in the mesh's order (the order of jax.make_mesh, which
+    # follows the topology, is not that of jax.devices()); a sharding of one device has
+    # no order to differ in.
+    order = tuple(getattr(sharding, "_device_assignment", None) or ())
+    if len(order) > 1 and order != tuple(mesh.devices.flat):
+      at = next(i for i, (a, b) in enumerate(zip(order, mesh.devices.flat)) if a != b)
+      raise ValueError(
+          f"{name} is committed to the mesh's devices in another order (device "
+          f"{order[at].id} at position {at} of its sharding, where the mesh has device "
+          f"{mesh.devices.flat[at].id}): put it on the mesh (jax.device_put with a "
+          f"NamedSharding of mesh), or build the mesh in its order ({name}.sharding.mesh)")
 
 
 def axis_names(axis_name):

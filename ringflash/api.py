@@ -94,8 +94,9 @@ def ring_attention(query, key, value, *, mesh: Mesh | None = None, axis_name: st
 
   Raises:
     ValueError: on any invalid argument, naming it, before any collective runs.
-    NotImplementedError: the backend cannot run this call (naming it and the feature), or
-      forward-mode differentiation.
+    NotImplementedError: the backend cannot run this call (naming it and the feature),
+      forward-mode differentiation, or a call inside a shard_map (there:
+      ring_attention_sharded).
   """
   mesh, axis_name, _ = _mesh_and_axes(mesh, axis_name)
   batch, heads = _mesh.outer_axes(query, mesh, axis_name)
@@ -190,12 +191,15 @@ def _mesh_and_axes(mesh, axis_name):
   Under jax.set_mesh a shard_map must run on the context mesh (axis types included):
   mesh=None takes it; another mesh, or mesh=None where only an abstract context mesh is
   known (jax.sharding.use_abstract_mesh), is refused naming `mesh`, not left to shard_map's
-  error.
+  error. Inside a caller's shard_map (Manual context axes) nothing runs: ring_attention
+  is not a call for there.
 
   Raises:
     ValueError: naming mesh or axis_name.
+    NotImplementedError: inside a shard_map.
   """
   axis_name = _mesh.frozen(axis_name)
+  _mesh.check_not_in_shard_map()
   if mesh is None:
     context, abstract = _mesh.context_mesh()
     if context is not None:

@@ -170,6 +170,7 @@ class KVCache:
     Raises:
       ValueError: naming the argument.
     """
+    _mesh.check_not_in_shard_map()   # before the shapes: there they are local blocks
     b, _, kh, h = self.k.shape
     hv = self.v.shape[-1]
     (ks, kd), (vs, vd) = _validate.array_shape(k, "k"), _validate.array_shape(v, "v")
@@ -217,6 +218,7 @@ class KVCache:
         written, `used` records them, and every later attention of that row gives NaN
         (never a finite answer that silently lacks those tokens).
     """
+    _mesh.check_not_in_shard_map()   # before the shapes: there they are local blocks
     b, _, kh, h = self.k.shape
     hv = self.v.shape[-1]
     (ks, kd), (vs, vd) = (_validate.array_shape(k_new, "k_new"),
@@ -251,6 +253,7 @@ class KVCache:
       every token of a row that lost tokens to an append past max_len under jit (its `used`
       exceeds max_len): the cache no longer holds what the row has seen.
     """
+    _mesh.check_not_in_shard_map()
     self._check_query(query)
     options = decode._Options(
         axis_name=self.axis_name, scale=scale, logits_soft_cap=logits_soft_cap,

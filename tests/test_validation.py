@@ -581,3 +581,62 @@ def test_arrays_committed_to_other_devices_are_named():
                       for x in (q, key, v)), mesh=mesh)
   placed = jax.device_put(sinks, devices[5])
   jax.jit(lambda q: ringflash.ring_attention(q, key, v, mesh=mesh, sinks=placed))(q)
+
+
+def test_arrays_on_the_mesh_devices_in_another_order_are_named():
+  """Arrays on the mesh's devices in another order (laid out with jax.make_mesh, whose order
+  follows the topology, and called with a mesh of jax.devices(), or the reverse): JAX's jit
+  refused them naming ringflash's internal function, and explain took them. Each entry
+  point now names the argument; a mesh of another shape over the same order still runs."""
+  from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
+  devices = np.array(jax.devices())
+  mesh = Mesh(devices[[1, 0, 2, 3, 4, 5, 6, 7]], ("sp",))
+  laid = NamedSharding(Mesh(devices, ("sp",)), P(None, "sp"))
+  q, key, v = (jax.device_put(x, laid) for x in _arrays(t=64, s=64))
+  message = ("^{} is committed to the mesh's devices in another order \\(device 0 at "
+             "position 0 of its sharding, where the mesh has device 1\\): put it on the mesh")
+  with pytest.raises(ValueError, match=message.format("query")):
+    ringflash.ring_attention(q, key, v, mesh=mesh)
+  with pytest.raises(ValueError, match=message.format("key")):
+    ringflash.explain(jax.ShapeDtypeStruct(q.shape, q.dtype), key, v, mesh=mesh)
+  with pytest.raises(ValueError, match=message.format("key_cache")):
+    ringflash.decode_attention(jnp.zeros((B, 1, N, H)), key, v,
+                               cache_lengths=jnp.full((B,), 8), mesh=mesh)
+  sinks = jax.device_put(jnp.zeros((N,)), NamedSharding(Mesh(devices, ("sp",)), P()))
+  with pytest.raises(ValueError, match=message.format("sinks")):
+    ringflash.ring_attention(*_arrays(t=64, s=64), mesh=mesh, sinks=sinks)
+  # the mesh's own order runs, and so does a 2-D mesh over the same order
+  ringflash.ring_attention(*(jax.device_put(x, NamedSharding(mesh, P(None, "sp")))
+                             for x in _arrays(t=64, s=64)), mesh=mesh)
+  grid = Mesh(devices.reshape(2, 4), ("data", "sp"))
+  ringflash.ring_attention(q, key, v, mesh=grid)
+
+
+def test_calls_inside_a_shard_map_say_to_call_ring_attention_sharded():
+  """ring_attention inside a caller's shard_map (manual over a data axis, or over all):
+  with mesh=... the error said to pass mesh=None, and with mesh=None to pass the mesh.
+  Each entry point that runs its own shard_map now says it cannot run inside one, and
+  what to call there."""
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  grid = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "sp"))
+  q, key, v = _arrays(b=2, t=64, s=64)
+  cache = ringflash.KVCache.create(2, 64, K, H, mesh=grid, dtype=jnp.float32)
+  calls = {
+      "ring_attention, mesh=grid": lambda q, k, v: ringflash.ring_attention(q, k, v,
+                                                                            mesh=grid),
+      "ring_attention, mesh=None": lambda q, k, v: ringflash.ring_attention(q, k, v),
+      "explain": lambda q, k, v: ringflash.explain(q, k, v) and q,
+      "decode_attention": lambda q, k, v: ringflash.decode_attention(
+          q[:, :1], k, v, cache_lengths=jnp.full((q.shape[0],), 8), mesh=grid),
+      "KVCache.attention": lambda q, k, v: cache.attention(q[:, :1]),
+      "KVCache.prefill": lambda q, k, v: cache.prefill(k, v).k,
+      "KVCache.append": lambda q, k, v: cache.append(k[:, :1], v[:, :1]).k,
+  }
+  for manual in ({"data"}, {"data", "sp"}):
+    for what, call in calls.items():
+      f = jax.shard_map(call, mesh=grid, in_specs=P("data"), out_specs=P("data"),
+                        axis_names=manual)
+      with pytest.raises(NotImplementedError,
+                         match=r"^called inside a shard_map \(the context mesh's axes "
+                               r"\['data'.*\] are Manual\).*ring_attention_sharded"):
+        jax.jit(f)(q, key, v)
