@@ -165,6 +165,27 @@ def test_plan_counts_match_the_mask(layout, causal, window):
       assert plan.tiles[d, e, 0] == tiles, (d, e)
 
 
+@pytest.mark.parametrize("causal,window", [
+    (True, None), (False, (9, 3)), (True, (5, 0)), (False, (0, 7)), (False, (3, 3)),
+])
+def test_plan_counts_match_the_mask_where_the_tiles_do_not_divide(causal, window):
+  """A last tile of fewer rows (the xla and pallas_gpu backends pad it with rows that see
+  nothing) counts as the range of its real rows: a range taken over padding at another
+  position would count tiles without a valid pair. Contiguous rows, so the count is exact."""
+  p, local, bq, bk = 4, 30, 4, 8
+  spec = base.KernelSpec(scale=1.0, causal=causal, tiles=XlaBlockSizes(bq, bk), window=window)
+  pos = ring_plan.layout_positions("contiguous", p, p * local)
+  plan = ring_plan.plan_ring("contiguous", p, local, local, bq, bk, causal, window)
+  rows, cols = -local % bq, -local % bk
+  for d in range(p):
+    for e in range(p):
+      valid = np.asarray(base.mask(jnp.asarray(pos[d]), jnp.asarray(pos[e]), None, None,
+                                   spec))[0]
+      valid = np.pad(valid, ((0, rows), (0, cols)))           # padding: no valid pair
+      tiles = valid.reshape(-1, bq, valid.shape[1] // bk, bk).any(axis=(1, 3)).sum()
+      assert plan.tiles[d, e, 0] == tiles, (d, e)
+
+
 def test_plan_counts_striped_window_are_conservative():
   # Striped positions are not contiguous, so the range test may keep a tile without valid
   # pairs, never drop one with.
