@@ -71,6 +71,10 @@ def check_layout(layout, ring_size: int, length: int, *, name: str = "layout",
     raise ValueError(f"{name} must be one of {LAYOUTS}, got {layout!r}")
   if isinstance(ring_size, bool) or not isinstance(ring_size, (int, np.integer)) or ring_size < 1:
     raise ValueError(f"ring_size must be a positive int, got {ring_size!r}")
+  if (isinstance(length, bool) or not isinstance(length, (int, np.integer))
+      or not 0 <= length <= np.iinfo(np.int32).max):
+    raise ValueError(f"{length_name} must be an int in [0, 2**31 - 1] (positions are int32), "
+                     f"got {length!r}")
   parts = 2 * ring_size if layout == "zigzag" else ring_size
   if length % parts:
     what = f"2 * ring_size = {parts} (zigzag chunks)" if layout == "zigzag" else (
@@ -117,9 +121,11 @@ def layout_positions(layout: str, ring_size: int, length: int,
     group: devices whose rows one ring member holds.
 
   Raises:
-    ValueError: unknown layout, or length not divisible by P * group (twice that for
-      zigzag).
+    ValueError: unknown layout, ring_size or group not a positive int, length not an int32
+      >= 0 or not divisible by P * group (twice that for zigzag).
   """
+  check_layout(layout, ring_size, 0)          # ring_size, named before the product
+  _positive(group=group)
   devices = ring_size * group
   check_layout(layout, devices, length)
   index = np.arange(devices, dtype=np.int32)[:, None]
@@ -150,6 +156,9 @@ def layout_order(layout: str, ring_size: int, length: int) -> np.ndarray:
   """
   check_layout(layout, ring_size, 0)
   full = fitting_length(layout, ring_size, length)
+  if full > np.iinfo(np.int32).max:      # positions are int32 (and the order as long)
+    raise ValueError(f"ring_size={ring_size}: the {layout} layout orders {length} tokens as "
+                     f"{full}, past int32's positions")
   pos = layout_positions(layout, ring_size, full).reshape(-1)
   return pos[pos < length] if full != length else pos
 
@@ -404,9 +413,13 @@ def work_table(ring_size: int = 8, seq_len: int = 8192, block: int = 128, *,
   divide the chunk seq_len / (2P)).
 
   Raises:
-    ValueError: naming ring_size, seq_len or block.
+    ValueError: naming ring_size, seq_len, block, causal or window (as ring_attention's
+      local_window_size: an int w or a pair (left, right) of ints >= 0).
   """
+  from ringflash import _validate  # pylint: disable=g-import-not-at-top  (it imports this)
   _positive(ring_size=ring_size, seq_len=seq_len, block=block)
+  causal = _validate.check_flag("causal", causal)
+  window = _validate.check_window(window, seq_len, seq_len, name="window")
   if seq_len % (2 * ring_size):
     raise ValueError(f"seq_len={seq_len} must be divisible by 2 x ring_size = {2 * ring_size} "
                      f"(the zigzag layout's chunks)")

@@ -305,8 +305,9 @@ def check_sinks(sinks, n: int) -> None:
     raise ValueError(f"sinks must have a floating dtype, got {dtype}")
 
 
-def check_window(local_window_size, t: int, s: int):
-  """(left, right) from jax.nn's local_window_size (int w means (w, w)), or None.
+def check_window(local_window_size, t: int, s: int, name: str = "local_window_size"):
+  """(left, right) from jax.nn's local_window_size (int w means (w, w)), or None; errors
+  name the argument `name`.
 
   Bounds beyond the sequence change nothing (every query i < t, key j < s, so i - j lies in
   (-s, t)); they are clipped to left <= t, right <= s so positions +- bounds stay in int32
@@ -324,10 +325,10 @@ def check_window(local_window_size, t: int, s: int):
       is_int(x) for x in local_window_size):
     pair = tuple(local_window_size)
   else:
-    raise ValueError(f"local_window_size must be None, an int or a pair (left, right) of "
-                     f"ints, got {local_window_size!r}")
+    raise ValueError(f"{name} must be None, an int or a pair (left, right) of ints, got "
+                     f"{local_window_size!r}")
   if min(pair) < 0:
-    raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
+    raise ValueError(f"{name} must be non-negative, got {local_window_size!r}")
   return (int(min(pair[0], t)), int(min(pair[1], s)))
 
 

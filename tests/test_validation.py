@@ -538,9 +538,32 @@ def test_introspection_names_its_bad_arguments():
       (lambda: introspect.work_table(8, 1000), "seq_len=1000 must be divisible by 2 x "
                                                "ring_size = 16"),
       (lambda: introspect.work_table(8, 1024, 128), "block=128 must divide the zigzag chunk "
-                                                    "seq_len / (2 x ring_size) = 64")):
+                                                    "seq_len / (2 x ring_size) = 64"),
+      # causal="no" was taken as causal, a window (-1, 0) counted tiles of work where no
+      # key is valid, and an int window was a TypeError
+      (lambda: introspect.work_table(4, 64, 8, causal="no"), "causal must be a bool, got 'no'"),
+      (lambda: introspect.work_table(4, 64, 8, window=(-1, 0)),
+       "window must be non-negative, got (-1, 0)"),
+      (lambda: introspect.work_table(4, 64, 8, window=1.5), "window must be None, an int or a "
+                                                            "pair (left, right) of ints"),
+      # a negative length failed in NumPy naming nothing, and a bad group was named ring_size
+      # with a value never passed (ring_size * group)
+      (lambda: introspect.layout_positions("zigzag", 2, -8),
+       "length must be an int in [0, 2**31 - 1] (positions are int32), got -8"),
+      (lambda: introspect.layout_positions("contiguous", 2, 8, group=-1),
+       "group must be an int >= 1, got -1"),
+      (lambda: introspect.layout_positions("contiguous", 0, 8, group=2),
+       "ring_size must be a positive int, got 0"),
+      # an absurd ring size asked NumPy for terabytes (MemoryError)
+      (lambda: ringflash.to_layout(np.zeros((1, 12)), "striped", 10**12),
+       "ring_size=1000000000000: the striped layout orders 12 tokens as 1000000000000, past "
+       "int32's positions")):
     with pytest.raises(ValueError, match=re.escape(message)):
       call()
+  # an int window is (w, w), as ring_attention's local_window_size
+  assert all(np.array_equal(a, b) for a, b in zip(
+      introspect.work_table(4, 64, 8, window=3).values(),
+      introspect.work_table(4, 64, 8, window=(3, 3)).values()))
 
 
 def test_arrays_committed_to_other_devices_are_named():
