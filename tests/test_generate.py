@@ -95,7 +95,10 @@ def test_generate_answers_equal_the_teacher_forced_argmax(checkpoint):
   np.testing.assert_array_equal(np.where(tie, -1, decoded),
                                 np.where(tie, -1, result.teacher[:, 63:]))
   assert result.mismatches == 0 and result.answers_equal == 16
-  assert result.generated.shape == (2, 4)
+  # the sequence is 128 tokens: the 4 generated are the predictions at positions 127 .. 130,
+  # each the next one's input (a slice one position early passed the shape check alone)
+  assert result.decoded.shape == (2, 128 + 4 - 1)
+  np.testing.assert_array_equal(result.generated, result.decoded[:, 127:131])
   # 128 + 3 positions get an input token: caches of 512 slots, 128 per device of the ring of
   # 4 (pallas_tpu tiles a device's slots by 128 on a TPU); the free ones change nothing above
   assert result.slots == 512
@@ -121,6 +124,28 @@ def test_predictions_from_nonfinite_logits_are_counted_not_equal(checkpoint, mon
   assert (result.decoded[:, 63:] == -2).all() and (result.teacher[:, 63:] == -3).all()
   assert result.nonfinite == 2 * 2 * (128 + 1 - 63) and result.mismatches == 2 * (128 + 1 - 63)
   assert result.answers_equal == 0
+
+
+def test_a_decoder_that_disagrees_with_its_teacher_is_counted(checkpoint, monkeypatch):
+  """Finite decoded logits that disagree with the teacher-forced ones (here negated): every
+  prediction whose top two are apart counts as a mismatch, not a near tie (no test gave
+  finite disagreement, and a margin of the wrong sign counted each as a near tie)."""
+  decode_step = model.decode_step
+
+  def negated_decode_step(*args, **kwargs):
+    logits, caches = decode_step(*args, **kwargs)
+    return -logits, caches
+
+  monkeypatch.setattr(model, "decode_step", negated_decode_step)
+  job = _job(checkpoint, "--new_tokens=2")
+  result = generate.run(job, log=lambda _: None)
+  assert result.nonfinite == 0 and (result.margin[:, 63:] > 0).all()
+  # position 63's prediction comes from the prompt's forward pass, the 65 after it from the
+  # negated steps: their argmin, never the argmax
+  np.testing.assert_array_equal(result.decoded[:, 63], result.teacher[:, 63])
+  assert (result.decoded[:, 64:] != result.teacher[:, 64:]).all()
+  tie = int(np.sum(result.margin[:, 64:] < job.tie_tolerance))
+  assert result.mismatches == 2 * 65 - tie and result.near_ties == tie
 
 
 def test_a_teacher_logit_of_minus_infinity_is_marked_and_never_a_near_tie(checkpoint,
