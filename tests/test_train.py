@@ -92,6 +92,45 @@ def test_model_with_ring_attention_matches_dense_attention(monkeypatch):
                                err_msg=jax.tree_util.keystr(path))
 
 
+def test_training_lowers_the_loss_of_the_batch_it_trains_on():
+  """Twenty steps on one batch (no dropout): the loss falls to under a fifth. Every other
+  training test compares a run with another run of the same code, or asks only for a
+  finite loss, so an update of the wrong sign (gradient ascent) passed them all."""
+  config = dataclasses.replace(_config(ring=4, data_parallel=1, steps=20),
+                               model=dataclasses.replace(_config().model, dropout=0.0))
+  trainer = train.Trainer(config)
+  state, batch = trainer.init_state(), trainer.batch(0)
+  first = float(trainer.evaluate(state, batch)[0])
+  for _ in range(20):
+    state, metrics = trainer.step(state, batch)
+  last = float(trainer.evaluate(state, batch)[0])
+  assert np.isfinite(first) and last < first / 5, (first, last)
+
+
+def test_rope_is_a_rotation_by_position_of_each_pair():
+  """model.rope against the complex form (x_i + i x_{i+H/2}) e^{i p f_i}, f_i =
+  base^(-2i/H): the tests of the model compare two paths that both call rope, so a sign
+  error in it passed them. Hence also: norms kept, and q.k a function of p_q - p_k."""
+  h, base = 8, 100.0
+  x = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (2, 5, 3, h)), np.float64)
+  positions = np.array([[0, 1, 7, 30, 100], [5, 4, 3, 2, 1]], np.int32)
+  got = np.asarray(model.rope(jnp.asarray(x, jnp.float32), jnp.asarray(positions), base))
+  freq = base ** (-np.arange(h // 2) / (h // 2))
+  z = (x[..., :h // 2] + 1j * x[..., h // 2:]) * np.exp(
+      1j * positions[:, :, None, None] * freq)
+  # float32 angles: p * f rounded by up to 100 * 2^-24 radians, times |x| < 5
+  np.testing.assert_allclose(got, np.concatenate([z.real, z.imag], axis=-1), atol=5e-5)
+  np.testing.assert_allclose(np.linalg.norm(got, axis=-1), np.linalg.norm(x, axis=-1),
+                             rtol=1e-5)
+  q, k = jnp.asarray(x[:, :1], jnp.float32), jnp.asarray(x[:, 1:2], jnp.float32)
+
+  def score(pq, pk):
+    rot = lambda y, p: model.rope(y, jnp.full((2, 1), p, jnp.int32), base)
+    return np.asarray(jnp.sum(rot(q, pq) * rot(k, pk), axis=-1))
+
+  np.testing.assert_allclose(score(3, 1), score(103, 101), rtol=1e-4, atol=1e-5)
+
+
 def test_the_parameter_bound_counts_what_init_params_makes():
   config = _config().model
   params = model.init_params(config, jax.random.PRNGKey(0))
