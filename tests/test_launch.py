@@ -105,6 +105,18 @@ def test_check_errors_see_a_nan_in_any_shard(token):
   assert np.isnan(worst["out"]), worst
 
 
+def test_check_prints_the_tolerance_it_applies():
+  """The tolerance printed as given, the errors to three digits: one digit printed 3e-07
+  for a tolerance of both 2.95e-07 and 3.4e-07, beside the same error and opposite
+  verdicts."""
+  worst = {"out": 1.0e-7, "dv": 3.3e-7}
+  assert check.verdict(worst, 3.4e-7) == (
+      True, "max error out 1.00e-07, dv 3.30e-07 (tolerance 3.4e-07): ok")
+  assert check.verdict(worst, 2.95e-7) == (
+      False, "max error out 1.00e-07, dv 3.30e-07 (tolerance 2.95e-07): FAILED")
+  assert not check.verdict({"out": float("nan")}, 1.0)[0]
+
+
 @pytest.mark.parametrize("processes,devices", [(2, 4), (4, 2)])
 def test_processes_match_single_process(processes, devices, single_process_result, tmp_path):
   flags_ = [f"--{k}={v}" if not isinstance(v, bool) else f"--{'' if v else 'no'}{k}"

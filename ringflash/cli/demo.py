@@ -186,6 +186,6 @@ def main(argv):
   tol = 1e-4 if dtype == jnp.float32 else 5e-2
   verdict = "PASS" if all(e <= tol for e in relative) else "FAIL"
   print(f"\n{verdict}: largest error relative to max(1, |reference|) = {worst:.2e} "
-        f"(tolerance {tol:.0e})")
+        f"(tolerance {tol:g})")
   if verdict != "PASS":
     raise SystemExit(1)
