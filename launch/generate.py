@@ -52,6 +52,7 @@ from absl import logging
 from ringflash.cli import MAX_CPU_DEVICES
 from ringflash.cli import UsageError
 from ringflash.cli import define_float
+from ringflash.launch.train_flags import MAX_BATCH
 
 FLAGS = flags.FLAGS
 
@@ -71,7 +72,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   flags.DEFINE_enum("platform", "cpu", ["cpu", "default"], "cpu: the simulated CPU mesh; "
                     "default: whatever accelerator JAX finds.", **fv)
   flags.DEFINE_integer("batch_size", 2, "Sequences decoded together, divisible by "
-                       "--data_parallel.", lower_bound=1, **fv)
+                       "--data_parallel.", lower_bound=1, upper_bound=MAX_BATCH, **fv)
   flags.DEFINE_integer("prompt_len", 0, "Tokens prefilled by ring attention, divisible by "
                        "--ring and below the task's seq_len; 0: seq_len / 2.", lower_bound=0,
                        **fv)

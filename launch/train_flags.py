@@ -31,6 +31,9 @@ MAX_STEPS = 2**31 - 1
 # jax.random.PRNGKey keeps 32 bits of a seed with jax_enable_x64 off (2**32 gives the key of 0),
 # and refuses seeds beyond int64; every seed below 2**32 is its own key.
 MAX_SEED = 2**32 - 1
+# Each sequence of a batch is built on the host in Python (launch/data.py, about 0.15 ms a
+# sequence): a mistyped --batch_size=1000000000 spent days there before any message.
+MAX_BATCH = 2**16
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
@@ -49,7 +52,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   positive("seq_len", 4096, "Tokens per sequence: even, divisible by --ring.",
            upper_bound=MAX_SEQ_LEN)
   positive("batch_size", 2, "Global batch size (sequences per step), divisible by "
-           "--data_parallel.")
+           "--data_parallel.", upper_bound=MAX_BATCH)
   positive("data_parallel", 2, "Mesh size of the data (batch) axis.")
   positive("ring", 4, "Mesh size of the ring (sequence) axis \"sp\"; data_parallel x ring "
            "devices are used.")
@@ -149,6 +152,10 @@ def job_from_flags(values: flags.FlagValues = FLAGS, *, folders: bool = True) ->
   from ringflash import introspect                # pylint: disable=g-import-not-at-top
   from ringflash.launch import data, model        # pylint: disable=g-import-not-at-top
   v = values
+  for name in ("checkpoint_dir", "metrics_file"):
+    if v[name].value is not None and not v[name].value.strip():
+      # an empty path was taken as no flag: the run saved nothing, and said nothing
+      raise UsageError(f"--{name} is empty: give a path, or leave the flag out")
   if v.batch_size % v.data_parallel:
     raise UsageError(f"--batch_size={v.batch_size} must be divisible by "
                      f"--data_parallel={v.data_parallel} (each data-parallel group takes "

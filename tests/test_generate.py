@@ -258,6 +258,8 @@ def test_generate_command_end_to_end(checkpoint):
     (["--prompt_len=66"], "--prompt_len=66 must be divisible by --ring=4"),
     (["--prompt_len=128"], "--prompt_len=128"),
     (["--batch_size=3", "--data_parallel=2"], "--batch_size=3"),
+    (["--batch_size=1000000000"], "--batch_size=1000000000: 1000000000 is not an integer in "
+                                  "the range [1, 65536]"),
     (["--ring=16"], "needs 16 devices"),
     (["--backend=cuda"], "--backend"),
     # the conftest's and _cli's devices are CPUs: found by tracing, before the restore

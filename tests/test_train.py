@@ -179,6 +179,12 @@ def test_every_query_is_answered_by_its_pair_in_the_first_half():
 @pytest.mark.parametrize("args,message", [
     (["--seq_len=0"], "flag --seq_len=0: 0 is not an integer in the range [1, 1073741824]"),
     (["--batch_size=3"], "--batch_size=3 must be divisible by --data_parallel=2"),
+    # each sequence is built in Python: days before any message
+    (["--batch_size=1000000000"], "flag --batch_size=1000000000: 1000000000 is not an integer "
+                                  "in the range [1, 65536]"),
+    # an empty path was taken as no flag: nothing saved or written, and nothing said
+    (["--checkpoint_dir="], "--checkpoint_dir is empty: give a path, or leave the flag out"),
+    (["--metrics_file= "], "--metrics_file is empty: give a path, or leave the flag out"),
     (["--ring=16"], "--data_parallel=2 x --ring=16 needs 32 devices, the job has 8"),
     (["extra"], "takes flags only, got the argument(s) extra"),
     (["--checkpoint_dir={file}/ckpt"], "--checkpoint_dir={file}/ckpt: {file} is a file, not a "
