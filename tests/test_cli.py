@@ -334,6 +334,18 @@ def test_host_memory_that_valid_sizes_exceed_is_one_line():
       "shape (1000000, 1000000, 1) and data type int64"], done.stderr[-2000:]
 
 
+def test_an_allocation_past_memory_at_dispatch_is_one_line():
+  """The runtime reports an allocation at dispatch as INTERNAL ("Error dispatching
+  computation: Out of memory allocating ..."), not RESOURCE_EXHAUSTED: it came with the
+  traceback; now one line and status 1, as the other out-of-memory errors."""
+  run = _run("demo", "--head_dim=100000000", "--seq_len=64")     # 102 GB at dispatch
+  assert run.returncode == 1, run.stderr[-2000:]
+  assert "Traceback" not in run.stderr, run.stderr[-3000:]
+  assert run.stderr.splitlines()[-1].startswith("ringflash demo: out of memory: INTERNAL: "), (
+      run.stderr[-2000:])
+  assert "Out of memory allocating" in run.stderr.splitlines()[-1]
+
+
 def test_valid_flags_past_the_devices_memory_are_one_line():
   """A length the host cannot hold: the runtime's RESOURCE_EXHAUSTED came with some 40 lines
   of traceback through JAX; now its message in one line, and status 1 (no flag is wrong).

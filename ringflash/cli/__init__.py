@@ -178,8 +178,9 @@ def _run(argv: list[str]) -> None:
       # Flags that are valid but ask for more memory than the devices have: the runtime's
       # message in one line, without the traceback through JAX.
       jax = sys.modules.get("jax")             # only JAX's runtime raises it
+      # (an allocation at dispatch comes as INTERNAL: "... Out of memory allocating N bytes")
       if (jax is not None and isinstance(err, jax.errors.JaxRuntimeError)
-          and "RESOURCE_EXHAUSTED" in str(err)):
+          and ("RESOURCE_EXHAUSTED" in str(err) or "Out of memory allocating" in str(err))):
         first = " ".join(str(err).split())
         print(f"ringflash {name}: out of memory: {first}", file=sys.stderr, flush=True)
         sys.exit(1)
