@@ -160,7 +160,11 @@ def test_bench_flags_are_checked_in_process():
                        ({"batch": 0}, "--batch"),
                        ({"impls": []}, "--impls"),
                        ({"mode": "scaling", "seq_lens": ["129"]}, "--seq_lens"),
-                       ({"mode": "longest", "seq_lens": ["129"]}, "--seq_lens")]:
+                       ({"mode": "longest", "seq_lens": ["129"]}, "--seq_lens"),
+                       # a ring of 2^30 devices of 16 tokens each: a traceback from the API
+                       ({"mode": "virtual", "seq_lens": ["16"], "ring_sizes": ["1073741824"]},
+                        "--seq_lens x --ring_sizes: 16 tokens per device on 1073741824 devices "
+                        "make 17179869184, more than 2\\*\\*30")]:
     with pytest.raises(UsageError, match=flag):
       bench.check_flags(types.SimpleNamespace(**(good | change)))
   # a flag given on the command line must be one that the mode reads

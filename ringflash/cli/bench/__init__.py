@@ -193,7 +193,13 @@ def check_flags(f, given=()) -> None:
     _at_least(f, name, 0)
   seq_lens = _ints(f, "seq_lens")
   _ints(f, "gqa_seq_lens")
-  _ints(f, "ring_sizes")
+  ring_sizes = _ints(f, "ring_sizes")
+  if f.mode in ("virtual", "layouts") and max(seq_lens) * max(ring_sizes) > MAX_SEQ_LEN:
+    # each row is a ring of P devices of seq_len tokens: P * seq_len in all, past the bound
+    # of a sequence (the API refused it, with a traceback through the mode)
+    raise UsageError(f"--seq_lens x --ring_sizes: {max(seq_lens)} tokens per device on "
+                     f"{max(ring_sizes)} devices make {max(seq_lens) * max(ring_sizes)}, more "
+                     f"than 2**30 = {MAX_SEQ_LEN} tokens")
   if f.mode == "decode":
     _at_least(f, "new_tokens", 1)
     _ints(f, "cache_lens")
