@@ -309,7 +309,7 @@ def test_topology_names_give_their_chips(topology, chips):
 
 @pytest.mark.parametrize("topology", ["nonsense", "v5p", "v5p:2x2x0", "v9:2x2x2", "v5p:2",
                                       "v5p:2x2x2x2", "V5P:2x2x2", "v5p:2x2x2 ",
-                                      "v5litepod:2x2"])
+                                      "v5litepod:2x2", "v5p:1000x1000x1000", "v4:32x32x32"])
 def test_malformed_topologies_are_usage_errors(topology):
   with pytest.raises(UsageError, match="--topology"):
     planner.topology_chips(topology)

@@ -95,6 +95,9 @@ HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 10**9, "v5p": 95 * 2**30, "v6e": 32 *
 # process (`Check failed: Topology()->chip_bounds().z == 1`) when it compiles for some of
 # them, v5e:4x4x2 and v5e:4x4x4 among them. So a third size must be 1.
 PLANAR = ("v5e", "v6e")
+# More chips than any slice has (v5p's largest is 8960, v4's 4096): libtpu crashed on a
+# topology of 10^9 chips (a SystemError from its bindings, after half a minute).
+MAX_CHIPS = 2**14
 
 # <generation>:<AxB> or <AxBxC>, each size >= 1 (libtpu aborts the process on a 0), with
 # libtpu's optional twist suffix.
@@ -119,7 +122,11 @@ def topology_chips(topology: str) -> int:
     raise UsageError(f"--topology={topology}: {match['gen']} slices are 2-D, give <AxB> "
                      f"(e.g. {match['gen']}:2x4 for 8 chips); libtpu reads a third size as "
                      f"hosts stacked along an axis these chips do not have, and aborts on some")
-  return math.prod(dims)
+  chips = math.prod(dims)
+  if chips > MAX_CHIPS:
+    raise UsageError(f"--topology={topology} names {chips} chips, more than any TPU slice "
+                     f"(at most 2**14 = {MAX_CHIPS} here)")
+  return chips
 
 
 def check_flags(f) -> None:
