@@ -323,9 +323,10 @@ def plan_ring(layout: str, ring_size: int, q_len: int, kv_len: int, block_q: int
   window already truncates the ring, that schedule is kept (it uses both directions when
   the window reaches both ways).
 
-  Tile counts use base.ranges_may_have_work on each tile's position range: the same test
-  the kernels use to skip tiles, so the counts are the tiles the kernels compute (the xla
-  kernel's exact per-tile mask can skip a few more for striped windows).
+  Tile counts are those of base.ranges_may_have_work on each tile's position range
+  (counted without testing each pair, _tile_counts): the same test the kernels use to skip
+  tiles, so the counts are the tiles the kernels compute (the xla kernel's exact per-tile
+  mask can skip a few more for striped windows).
 
   Lengths and tiles are checked once, at the public boundary (ringflash/_validate.py).
 
@@ -406,8 +407,9 @@ def _tile_counts(layout, ring_size, q_len, kv_len, block_q, block_k, causal, win
                  group=1):
   """[P, P, parts] tile counts (RingPlan.tiles), without visiting each pair of tiles.
 
-  base.ranges_may_have_work(q, k) is k_lo <= a and k_hi >= b, with a = q_hi (causal),
-  min(q_hi, q_hi + right) with a window, and b = q_lo - left (a window; else no bound).
+  base.ranges_may_have_work(q, k) is k_lo <= a and k_hi >= b, with a = q_hi when causal,
+  q_hi + right with a window (the smaller with both; else no bound), and b = q_lo - left
+  with a window (else no bound).
   As left, right >= 0, a key tile with k_hi < b has k_lo <= k_hi < b <= q_lo <= q_hi <= a,
   so the count of key tiles with work is #(k_lo <= a) - #(k_hi < b): two binary searches
   per query tile in the sorted bounds. Pair by pair, a plan of 2^30 tokens on 8 devices in

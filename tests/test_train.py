@@ -102,7 +102,7 @@ def test_training_lowers_the_loss_of_the_batch_it_trains_on():
   state, batch = trainer.init_state(), trainer.batch(0)
   first = float(trainer.evaluate(state, batch)[0])
   for _ in range(20):
-    state, metrics = trainer.step(state, batch)
+    state, _ = trainer.step(state, batch)
   last = float(trainer.evaluate(state, batch)[0])
   assert np.isfinite(first) and last < first / 5, (first, last)
 
