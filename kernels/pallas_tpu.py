@@ -529,6 +529,12 @@ def _call(kernel, grid, scalars, arrays, in_specs, out_specs, out_shapes, scratc
       name=name)(*scalars, *arrays)
 
 
+# Mosaic TPU counts a kernel call's grid steps in int32 (libtpu: "Iteration bounds are too
+# large" past it); ringflash plan's search for the longest sequence reached it at 36M tokens
+# a device with one head of 8.
+_MAX_GRID_STEPS = 2**31 - 1
+
+
 class _Blocks:
   """One kernel call's tiling: its prefetched metadata, grid and block specs.
 
@@ -541,6 +547,13 @@ class _Blocks:
     s, kh = k.shape[1], k.shape[2]
     self.hk = _heads_per_block(kh)
     self.hq, self.bq, self.bk = self.hk * (n // kh), bq, bk
+    steps = bsz * (kh // self.hk) * (tq // bq) * (s // bk)
+    if steps > _MAX_GRID_STEPS:
+      raise NotImplementedError(
+          f"backend {NAME!r} runs a kernel call of {tq} query and {s} key rows as a grid of "
+          f"{bsz} x {kh // self.hk} x {tq // bq} x {s // bk} = {steps} steps ({bq}-row "
+          f"query and {bk}-row key tiles), past the 2**31 - 1 steps Mosaic counts: spread "
+          f"the sequence over more devices, give larger tiles, or use backend 'xla'")
     self.tiling = _Tiling(nq=tq // bq, nk=s // bk, bsz=bsz, segments=q_seg is not None,
                           causal=spec.causal, window=spec.window, reduce_q=reduce_q)
     bounds = _bounds(q_pos, k_pos, q_seg, k_seg, bq, bk)

@@ -339,3 +339,23 @@ def test_block_sizes_follow_tpu_tiling():
     ringflash.ring_attention(*helpers.inputs(0, 1, 256, 256, 2, 2, 128, jnp.float32)[:3],
                              mesh=helpers.mesh_of(2), backend=BACKEND,
                              block_sizes=ringflash.TpuBlockSizes(block_k=96))
+
+
+def test_a_grid_past_mosaics_step_bound_is_not_implemented():
+  """Mosaic TPU counts a kernel call's grid steps in int32: 2^27 rows a device in tiles of
+  512 are 2^18 x 2^18 steps, which libtpu's compiler refused with a RET_CHECK. Refused by
+  name while tracing; a grid at the bound's side of it traces."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("sp",))
+  seq = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sp"))
+
+  def lower(rows, **options):
+    args = [jax.ShapeDtypeStruct((1, 2 * rows, 1, 8), jnp.bfloat16, sharding=seq)] * 3
+    return jax.jit(lambda q, k, v: ringflash.ring_attention(
+        q, k, v, mesh=mesh, backend=BACKEND, **options)).lower(*args)
+
+  with pytest.raises(NotImplementedError, match=(
+      "backend 'pallas_tpu' runs a kernel call of 134217728 query and 134217728 key rows as a "
+      "grid of 1 x 1 x 262144 x 262144 = 68719476736 steps")):
+    lower(2**27)
+  lower(2**20 + 2**19)      # 3072 x 3072 tiles of 512
+

@@ -81,6 +81,21 @@ _TINY = dict(batch=1, seq_len=96, heads=8, kv_heads=8, head_dim=128, dtype="bflo
 
 
 @needs_libtpu
+def test_a_length_whose_kernel_grid_passes_mosaics_bound_cannot_run(capsys):
+  """2^27 tokens a device of one head: 2^18 x 2^18 tiles of 512, past the 2**31 - 1 grid
+  steps Mosaic counts. libtpu's RET_CHECK ("Iteration bounds are too large") ended --max_seq_len's
+  search in a traceback; the report now says the call cannot run, and the search counts it
+  as not fitting."""
+  model = dict(batch=1, heads=1, kv_heads=1, head_dim=8, dtype="bfloat16", causal=False,
+               mode="forward", breakdown=False)
+  r = planner.plan("v5p:2x2x1", seq_len=4 * 2**27, backend="pallas_tpu", **model)
+  assert r["fits"] is False and r["total"] is None, r
+  assert "as a grid of 1 x 1 x 262144 x 262144 = 68719476736 steps" in r["cannot_run"]
+  planner.print_plan(r)
+  assert "cannot run: backend 'pallas_tpu' runs a kernel call" in capsys.readouterr().out
+
+
+@needs_libtpu
 def test_the_plan_reports_the_backend_and_tiles_ring_attention_runs(capsys):
   """12 tokens per chip of v5p:2x2x2 are not a multiple of the TPU kernel's 8 rows:
   ring_attention pads each shard to 16 and runs the Mosaic kernel. The plan once read the

@@ -210,9 +210,10 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
     choice), requested, explain (ringflash.explain's table), mode, tokens_per_device, block_q,
     block_k,
     arguments, temporaries, outputs, total, hbm, fits, permutes_per_step, all_gathers,
-    out_of_memory, breakdown, unavoidable}. When the TPU compiler ran out of memory,
-    out_of_memory is its OutOfMemory, fits is False and the compiled program's figures
-    (arguments ... all_gathers, breakdown) are None. breakdown is a Breakdown (None when not
+    out_of_memory, cannot_run, breakdown, unavoidable}. When the TPU compiler ran out of
+    memory, out_of_memory is its OutOfMemory, fits is False and the compiled program's
+    figures (arguments ... all_gathers, breakdown) are None; so they are when tracing found
+    that the call cannot run (a kernel's grid past its bound), and cannot_run says why. breakdown is a Breakdown (None when not
     asked or not readable); unavoidable the bytes of the step's unavoidable arrays.
 
   backend, block_q and block_k are those ringflash.explain resolves for the global arrays,
@@ -264,6 +265,7 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
       "block_k": getattr(choice.tiles, "block_k", None), "hbm": hbm,
       "arguments": None, "temporaries": None, "outputs": None, "total": None, "fits": None,
       "permutes_per_step": None, "all_gathers": None, "out_of_memory": None,
+      "cannot_run": None,
       "breakdown": None, "unavoidable": shapes.unavoidable(),
   }
 
@@ -286,6 +288,8 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
       if oom is None:
         raise
       return report | {"fits": False, "out_of_memory": oom}
+    except NotImplementedError as err:   # found while tracing: a kernel's grid bound
+      return report | {"fits": False, "cannot_run": str(err)}
     found = read_breakdown(dump, shapes) if breakdown else None
   mem = compiled.memory_analysis()
   text = compiled.as_text()
@@ -429,6 +433,9 @@ def print_plan(r) -> None:
     print(f"  does not fit: {r['out_of_memory']} (the TPU compiler ran out of memory)",
           flush=True)
     return
+  if r["cannot_run"] is not None:
+    print(f"  cannot run: {r['cannot_run']}", flush=True)
+    return
   per_token = r["total"] / r["tokens_per_device"]
   print(f"  per device  arguments {_gib(r['arguments'])}  temporaries {_gib(r['temporaries'])}"
         f"  outputs {_gib(r['outputs'])}  total {_gib(r['total'])}  ({_kib(per_token)} per "
@@ -466,8 +473,9 @@ def main(argv):
 
     def probe(n):
       r = plan(FLAGS.topology, seq_len=n * ring, breakdown=False, **model)
-      said = (f"{_gib(r['total']).strip()}  {'fits' if r['fits'] else 'DOES NOT FIT'}"
-              if r["out_of_memory"] is None else f"does not fit: {r['out_of_memory']}")
+      said = (f"does not fit: {r['out_of_memory']}" if r["out_of_memory"] is not None else
+              f"cannot run: {r['cannot_run']}" if r["cannot_run"] is not None else
+              f"{_gib(r['total']).strip()}  {'fits' if r['fits'] else 'DOES NOT FIT'}")
       print(f"  {n:>9} tokens per device ({n * ring} in all): {said}", flush=True)
       return r
 
@@ -480,5 +488,5 @@ def main(argv):
     return
   r = plan(FLAGS.topology, seq_len=FLAGS.seq_len, **model)
   print_plan(r)
-  if r["out_of_memory"] is not None or r["fits"] is False:
+  if r["out_of_memory"] is not None or r["cannot_run"] is not None or r["fits"] is False:
     raise SystemExit(1)
