@@ -213,8 +213,9 @@ def plan(topology: str, *, batch: int, seq_len: int, heads: int, kv_heads: int,
     out_of_memory, cannot_run, breakdown, unavoidable}. When the TPU compiler ran out of
     memory, out_of_memory is its OutOfMemory, fits is False and the compiled program's
     figures (arguments ... all_gathers, breakdown) are None; so they are when tracing found
-    that the call cannot run (a kernel's grid past its bound), and cannot_run says why. breakdown is a Breakdown (None when not
-    asked or not readable); unavoidable the bytes of the step's unavoidable arrays.
+    that the call cannot run (a kernel's grid past its bound), and cannot_run says why.
+    breakdown is a Breakdown (None when not asked or not readable); unavoidable the bytes
+    of the step's unavoidable arrays.
 
   backend, block_q and block_k are those ringflash.explain resolves for the global arrays,
   which ring_attention runs (it pads a sequence its kernels do not tile).
@@ -433,7 +434,7 @@ def print_plan(r) -> None:
     print(f"  does not fit: {r['out_of_memory']} (the TPU compiler ran out of memory)",
           flush=True)
     return
-  if r["cannot_run"] is not None:
+  if r.get("cannot_run") is not None:
     print(f"  cannot run: {r['cannot_run']}", flush=True)
     return
   per_token = r["total"] / r["tokens_per_device"]
@@ -474,7 +475,7 @@ def main(argv):
     def probe(n):
       r = plan(FLAGS.topology, seq_len=n * ring, breakdown=False, **model)
       said = (f"does not fit: {r['out_of_memory']}" if r["out_of_memory"] is not None else
-              f"cannot run: {r['cannot_run']}" if r["cannot_run"] is not None else
+              f"cannot run: {r['cannot_run']}" if r.get("cannot_run") is not None else
               f"{_gib(r['total']).strip()}  {'fits' if r['fits'] else 'DOES NOT FIT'}")
       print(f"  {n:>9} tokens per device ({n * ring} in all): {said}", flush=True)
       return r
@@ -488,5 +489,5 @@ def main(argv):
     return
   r = plan(FLAGS.topology, seq_len=FLAGS.seq_len, **model)
   print_plan(r)
-  if r["out_of_memory"] is not None or r["cannot_run"] is not None or r["fits"] is False:
+  if r["out_of_memory"] is not None or r.get("cannot_run") is not None or r["fits"] is False:
     raise SystemExit(1)
