@@ -93,7 +93,8 @@ def check_placed(mesh: Mesh, **arrays) -> None:
   clean = getattr(core, "trace_state_clean", None)
   if clean is None or not clean():
     return
-  devices = set(mesh.devices.flat)
+  in_order = tuple(mesh.devices.flat)          # once a call, not once an array
+  devices = set(in_order)
   for name, x in arrays.items():
     sharding = getattr(x, "sharding", None)
     if sharding is None:
@@ -113,12 +114,12 @@ def check_placed(mesh: Mesh, **arrays) -> None:
     # follows the topology, is not that of jax.devices()); a sharding of one device has
     # no order to differ in.
     order = tuple(getattr(sharding, "_device_assignment", None) or ())
-    if len(order) > 1 and order != tuple(mesh.devices.flat):
-      at = next(i for i, (a, b) in enumerate(zip(order, mesh.devices.flat)) if a != b)
+    if len(order) > 1 and order != in_order:
+      at = next(i for i, (a, b) in enumerate(zip(order, in_order)) if a != b)
       raise ValueError(
           f"{name} is committed to the mesh's devices in another order (device "
           f"{order[at].id} at position {at} of its sharding, where the mesh has device "
-          f"{mesh.devices.flat[at].id}): put it on the mesh (jax.device_put with a "
+          f"{in_order[at].id}): put it on the mesh (jax.device_put with a "
           f"NamedSharding of mesh), or build the mesh in its order ({name}.sharding.mesh)")
 
 
