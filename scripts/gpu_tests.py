@@ -1,12 +1,15 @@
 """The H200-only tests, in several pytest processes on the GPUs of this host.
 
 A case of tests/contract/test_pallas_gpu.py or tests/test_pallas_gpu.py spends most of its
-30-90 s compiling (Mosaic GPU, ptxas: CPU work), so one process takes about 30 minutes for
-the contract file alone; N processes share the cores and the GPU memory (no preallocation)
-and take about 6. Run from the repository root after `python3 -m pip install .` (from the
-root, the folder ringflash/ would shadow the installed package; the tests run in tests/):
+30-90 s compiling (Mosaic GPU, ptxas: CPU work); N processes share the cores and the GPU
+memory (no preallocation). The compiling binds them to the cores: on a host of 16 cores the
+contract file's 76 cases (`-m "slow or not slow"`) finish at about 0.09 a second whether 7 or
+15 processes share them (docs/GPU_NOTES.md, runs 192-195), some 14 minutes, so a session
+whose calls stop at 10 minutes runs it as `--part 1/2` and `--part 2/2`, one call each. Run
+from the repository root after `python3 -m pip install .` (from the root, the folder
+ringflash/ would shadow the installed package; the tests run in tests/):
 
-  python3 scripts/gpu_tests.py [--processes N] [--timeout S] [pytest selection args]
+  python3 scripts/gpu_tests.py [--processes N] [--timeout S] [--part i/n] [pytest selection]
 
 (--platform=cpu runs the same on CPU devices, for the CPU-only cases; with no selection, the
 whole default suite, which is how it runs on another jax than the test environment's. Install
@@ -49,6 +52,16 @@ def deal(ids: list[str], processes: int) -> list[list[str]]:
   return [part for part in (ids[i::processes] for i in range(processes)) if part]
 
 
+def part_of(ids: list[str], part: str) -> list[str]:
+  """The i-th of n near-equal shares of ids for `--part i/n` (every n-th case from the i-th:
+  the shares of 1/n .. n/n together are ids, each case once, whatever the selection's
+  order). A ValueError says what is wrong with `part`."""
+  i, sep, n = part.partition("/")
+  if not (sep and i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+    raise ValueError(f"--part must be i/n with 1 <= i <= n, got {part!r}")
+  return ids[int(i) - 1::int(n)]
+
+
 def summary(log: str) -> tuple[str, list[str]]:
   """(the last non-empty line of a pytest log, its FAILED / ERROR lines)."""
   lines = [line for line in log.splitlines() if line.strip()]
@@ -78,9 +91,15 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--platform", default="cuda", help="JAX_PLATFORMS of the processes")
   parser.add_argument("--logs", default=None,
                       help="a folder to write each process's whole pytest log to")
+  parser.add_argument("--part", default="1/1",
+                      help="i/n: run the i-th of n shares of the selected cases")
   args, selection = parser.parse_known_args(argv)
   if args.processes < 1 or args.timeout < 1:
     parser.error("--processes and --timeout must be >= 1")
+  try:
+    part_of([], args.part)
+  except ValueError as e:
+    parser.error(str(e))
   env = dict(os.environ, JAX_PLATFORMS=args.platform, XLA_PYTHON_CLIENT_PREALLOCATE="false",
              PYTHONUNBUFFERED="1")   # a process past --timeout keeps what it printed
   collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
@@ -90,8 +109,13 @@ def main(argv: list[str]) -> int:
     print(f"no cases selected by {selection}:")
     print(collected.stdout[-2000:] + collected.stderr[-2000:])
     return 1
-  parts = deal(ids, args.processes)
-  print(f"{len(ids)} cases in {len(parts)} processes", flush=True)
+  share = part_of(ids, args.part)
+  if not share:
+    print(f"--part {args.part} of {len(ids)} cases has none")
+    return 1
+  parts = deal(share, args.processes)
+  print(f"{len(share)} cases" + (f" (part {args.part} of {len(ids)})" if share != ids else "")
+        + f" in {len(parts)} processes", flush=True)
   start = time.time()
   marks = [arg for i, arg in enumerate(selection) if arg == "-m" or
            (i > 0 and selection[i - 1] == "-m")]

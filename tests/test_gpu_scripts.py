@@ -4,6 +4,8 @@ cases to processes."""
 
 from __future__ import annotations
 
+import pytest
+
 import helpers
 
 # Abridged from run 12 (docs/GPU_NOTES.md): the causal backward, then a forward.
@@ -162,6 +164,16 @@ def test_gpu_tests_deals_the_collected_cases_and_reads_the_summaries():
                  "test_pallas_gpu.py::test_ring_one_gpu_matches_oracle[True-2]"]
   assert script.deal(ids, 2) == [[ids[0], ids[2]], [ids[1]]]
   assert script.deal(ids, 5) == [[ids[0]], [ids[1]], [ids[2]]]
+  # --part i/n: every n-th case from the i-th; the shares together are the selection, once
+  assert script.part_of(ids, "1/2") == [ids[0], ids[2]]
+  assert script.part_of(ids, "2/2") == [ids[1]]
+  many = [f"case{i}" for i in range(76)]
+  shares = [script.part_of(many, f"{i}/3") for i in (1, 2, 3)]
+  assert sorted(sum(shares, [])) == sorted(many) and [len(s) for s in shares] == [26, 25, 25]
+  assert script.part_of(ids, "1/1") == ids and script.part_of(ids, "4/4") == []
+  for bad in ("0/2", "3/2", "1", "1/0", "a/b", "-1/2", "1/2/3"):
+    with pytest.raises(ValueError, match="--part must be i/n"):
+      script.part_of(ids, bad)
   log = ("..F\n=== short test summary info ===\n"
          "FAILED test_pallas_gpu.py::test_auto_picks_pallas_gpu - AssertionError\n"
          "1 failed, 2 passed in 97.10s (0:01:37)\n\n")
