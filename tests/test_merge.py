@@ -54,6 +54,37 @@ def test_merge_with_empty_sides_is_exact_and_nan_free():
     assert np.all(np.isfinite(np.asarray(g)))
 
 
+def test_merge_is_exact_where_the_sides_lie_past_exps_range_apart():
+  """Two sides whose lse differ by more than exp's range (88) either way, and by little:
+  the merged row is the larger side's (the other's weight underflows to 0 exactly), never
+  inf or NaN, forward and backward, against the formula in float64. (A merge that shifts by
+  one side's lse instead of the larger overflows there.)"""
+  rng = np.random.default_rng(1)
+  o_a, o_b = (jnp.asarray(rng.normal(size=(1, 4, 1, 3)), jnp.float32) for _ in range(2))
+  lse_a = jnp.asarray([[[0.0, 200.0, -150.0, 3.0]]], jnp.float32)
+  lse_b = jnp.asarray([[[200.0, 0.0, 40.0, 2.5]]], jnp.float32)
+  o, lse = merge(o_a, lse_a, o_b, lse_b)
+  a, b = np.asarray(lse_a, np.float64)[0, 0], np.asarray(lse_b, np.float64)[0, 0]
+  total = np.logaddexp(a, b)
+  w_a, w_b = np.exp(a - total), np.exp(b - total)
+  want = (np.asarray(o_a, np.float64)[0, :, 0] * w_a[:, None]
+          + np.asarray(o_b, np.float64)[0, :, 0] * w_b[:, None])
+  np.testing.assert_allclose(np.asarray(o)[0, :, 0], want, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(lse)[0, 0], total, rtol=1e-6)
+
+  def f(o_a, lse_a, o_b, lse_b):
+    o, lse = merge(o_a, lse_a, o_b, lse_b)
+    return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.cos(lse))
+
+  grads = jax.grad(f, argnums=(0, 1, 2, 3))(o_a, lse_a, o_b, lse_b)
+  for g in grads:
+    assert np.all(np.isfinite(np.asarray(g)))
+  # d o / d o_a is the weight of a: 1 or 0 where the sides lie far apart
+  do = np.cos(want)
+  np.testing.assert_allclose(np.asarray(grads[0])[0, :, 0], do * w_a[:, None], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(grads[2])[0, :, 0], do * w_b[:, None], atol=1e-6)
+
+
 def _sinks_by_autodiff(out, lse, sinks):
   """add_sinks' formula, differentiated by JAX (the reference for its written-out VJP)."""
   sink = sinks[None, :, None]

@@ -33,6 +33,36 @@ def test_jit_grad_compose_and_output_is_sequence_sharded():
   assert out.sharding.shard_shape(out.shape) == (b, t // 8, n, h)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_hops_whose_scores_lie_past_exps_range_apart_merge_exactly(layout):
+  """The first device's keys score 120 against every query, the others about +-2: the
+  partial results of the hops differ in lse by more than exp's range (88), and the ring's
+  merges must shift by the larger one. Forward and backward against the oracle, causal,
+  on 8 devices."""
+  q, k, v, dout = helpers.inputs(5, 1, 64, 64, 4, 2, 16, jnp.float32)
+  q = jnp.ones_like(q)
+  k = k.at[:, :8].set(30.0)                 # q.k / sqrt(16) = 120 for the first 8 keys
+  mesh = helpers.mesh_of(8)
+  order = [ringflash.to_layout(x, layout, 8) for x in (q, k, v, dout)]
+
+  def natural(got):
+    out, lse, dq, dk, dv = got
+    return (ringflash.from_layout(out, layout, 8), ringflash.from_layout(lse, layout, 8, axis=2),
+            *(ringflash.from_layout(g, layout, 8) for g in (dq, dk, dv)))
+
+  if layout == "contiguous":
+    got = helpers.ring_fwd_bwd(q, k, v, dout, mesh=mesh, causal=True)
+  else:
+    def attn(a, b_, c):
+      return ringflash.ring_attention(a, b_, c, mesh=mesh, is_causal=True, layout=layout,
+                                      return_residual=True)
+    (out, lse), vjp = jax.vjp(jax.jit(attn), *order[:3])
+    got = natural((out, lse) + tuple(vjp((order[3], jnp.zeros_like(lse)))))
+  for x in got:
+    assert bool(jnp.all(jnp.isfinite(x)))
+  helpers.check(got, helpers.oracle_fwd_bwd(q, k, v, dout, causal=True))
+
+
 def test_default_mesh_and_scale():
   b, t, n, h = 1, 64, 2, 16
   q, key, v, _ = helpers.inputs(7, b, t, t, n, n, h, jnp.float32)

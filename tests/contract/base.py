@@ -745,6 +745,65 @@ class ContractTests:
     self.require("ring")
     self._check_seen_nonfinite(where, value, *self._nonfinite_vocab(softcap, sinks))
 
+  def test_nonfinite_row_of_large_scores_that_the_loss_ignores(self):
+    """A query row holding a NaN whose other entries give scores far past exp's range (a
+    loss that masks that row, as a padded or filtered batch does): the gradients of the
+    other rows and of every key stay finite and exact. The backward must not weigh that
+    row's pairs (exp of a large score against a row statistic made -inf is inf, times a
+    zero cotangent NaN), as no O(1) score shows."""
+    self.require("ring")
+    self._check_seen_nonfinite("q", np.nan, *self._nonfinite_vocab(None, False), large=True)
+
+  @pytest.mark.parametrize("where", ["dout", "dlse"])
+  def test_nonfinite_cotangents_reach_the_gradients_that_read_them(self, where):
+    """NaN in one entry of the output's cotangent (or of lse's, with return_residual): the
+    dq of that row and head and the dk of the keys it sees are non-finite (and the dv of
+    those keys, for the output's); every other gradient is finite and equal to the
+    oracle's with that entry 0. A NaN in a loss's gradient is never zeroed on the way."""
+    self.require("ring")
+    case = self.adapt(RingCase("nan-cotangent", 4, causal=True))
+    q, k, v, dout, _ = self._inputs(case)
+    t, p, g = q.shape[1], case.ring_size, N // case.kv_heads
+    r, h = t // 2 + 3, 1                 # a row on the third device, query head 1
+    dlse = jnp.zeros((q.shape[0], N, t), jnp.float32)
+    nan_dout = dout.at[0, r, h, 3].set(jnp.nan) if where == "dout" else dout
+    nan_dlse = dlse.at[0, h, r].set(jnp.nan) if where == "dlse" else dlse
+    mesh = self.mesh(p)
+
+    def ring(a, b_, c):
+      return ringflash.ring_attention(a, b_, c, mesh=mesh, **self.options(), is_causal=True,
+                                      return_residual=True, backend=self.BACKEND,
+                                      block_sizes=self.block_sizes(t // p, t // p))
+
+    def grads(attn, d_out, d_lse):
+      (out, lse), back = jax.vjp(jax.jit(attn), q, k, v)
+      return [np.asarray(x, np.float32)
+              for x in back((d_out.astype(out.dtype), d_lse.astype(lse.dtype)))]
+
+    def dense(upcast):
+      return lambda a, b_, c: oracle.attention(a, b_, c, causal=True, upcast=upcast)
+
+    dq, dk, dv = grads(ring, nan_dout, nan_dlse)
+    assert np.all(~np.isfinite(dq[0, r, h])), "the row's dq reads the NaN"
+    seen = np.arange(t) <= r                      # the keys row r sees (causal)
+    reads = [dk] + ([dv] if where == "dout" else [])
+    for x in reads:
+      assert np.all(np.any(~np.isfinite(x[0, seen, h // g]), axis=-1)), "a seen key's grad"
+    clean = (nan_dout.at[0, r, h].set(0.0) if where == "dout" else dout,
+             nan_dlse.at[0, h, r].set(0.0))
+    want, plain = grads(dense(True), *clean), grads(dense(False), *clean)
+    low = jnp.dtype(q.dtype) != jnp.float32
+    others_q = np.ones(dq.shape, bool)
+    others_q[0, r, h] = False
+    others_kv = np.ones(dk.shape, bool)
+    others_kv[0, seen, h // g] = False
+    for name, got, w, pl_, where_ok in zip(
+        ("dq", "dk", "dv"), (dq, dk, dv), want, plain,
+        (others_q, others_kv, others_kv)):
+      assert np.all(np.isfinite(got[where_ok])), f"{name}: NaN reached a gradient it is not in"
+      bound = 3 * helpers.max_err(pl_[where_ok], w[where_ok]) if low else helpers.fp32_tol(w)
+      assert helpers.max_err(got[where_ok], w[where_ok]) <= max(bound, 1e-6), name
+
   @pytest.mark.parametrize("where,layout,trim,causal,window,softcap,sinks,value", [
       pytest.param("k", "zigzag", (9, 5), True, None, None, False, np.nan, id="zigzag-k"),
       pytest.param("k", "zigzag", (0, 1), True, None, 2.0, False, -np.inf,
@@ -782,12 +841,14 @@ class ContractTests:
 
   def _check_seen_nonfinite(self, where, value, vocab, oracle_vocab, *, layout="contiguous",
                             trim=(0, 0), causal=True, window=None, bidirectional=False,
-                            remat=None):
+                            remat=None, large=False):
     """One bad entry (`value`) in q, k or v of a 4-device ring: the rows that see it, and
     the gradients that depend on them, are non-finite; every other row and gradient is
     finite and equal to the oracle's on clean inputs. Natural order in and out (to_layout /
     from_layout around the ring); window in sixteenths of UNIT. remat: a jax.checkpoint
-    policy the ring call runs under (None: no jax.checkpoint)."""
+    policy the ring call runs under (None: no jax.checkpoint). large: the bad query row is
+    otherwise 100 x the sign of key 5's (head 0), so that its clean scores lie far past
+    exp's range (88)."""
     case = self.adapt(RingCase("seen-nan", 4, causal=causal, layout=layout))
     q, k, v, dout, _ = self._inputs(case)
     t0 = q.shape[1]
@@ -798,6 +859,8 @@ class ContractTests:
     j0 = t // 2 + 3                        # a position on the third device (contiguous)
     if where == "q" and value == -np.inf:
       k = k.at[..., 0].set(jnp.abs(k[..., 0]) + 0.5)   # every score of the row is -inf
+    if large:
+      q = q.at[0, j0, 0].set((100.0 * jnp.sign(k[0, 5, 0].astype(jnp.float32))).astype(q.dtype))
     bad = {"q": q, "k": k, "v": v}
     bad[where] = bad[where].at[0, j0, 0, 0].set(value)
     # sees[i, j]: row i sees key j; seeing [T, N]: the rows that see the bad entry
