@@ -43,21 +43,15 @@ def test_hops_whose_scores_lie_past_exps_range_apart_merge_exactly(layout):
   q = jnp.ones_like(q)
   k = k.at[:, :8].set(30.0)                 # q.k / sqrt(16) = 120 for the first 8 keys
   mesh = helpers.mesh_of(8)
-  order = [ringflash.to_layout(x, layout, 8) for x in (q, k, v, dout)]
+  q_l, k_l, v_l, dout_l = (ringflash.to_layout(x, layout, 8) for x in (q, k, v, dout))
 
-  def natural(got):
-    out, lse, dq, dk, dv = got
-    return (ringflash.from_layout(out, layout, 8), ringflash.from_layout(lse, layout, 8, axis=2),
-            *(ringflash.from_layout(g, layout, 8) for g in (dq, dk, dv)))
+  def attn(a, b_, c):
+    return ringflash.ring_attention(a, b_, c, mesh=mesh, is_causal=True, layout=layout,
+                                    return_residual=True)
 
-  if layout == "contiguous":
-    got = helpers.ring_fwd_bwd(q, k, v, dout, mesh=mesh, causal=True)
-  else:
-    def attn(a, b_, c):
-      return ringflash.ring_attention(a, b_, c, mesh=mesh, is_causal=True, layout=layout,
-                                      return_residual=True)
-    (out, lse), vjp = jax.vjp(jax.jit(attn), *order[:3])
-    got = natural((out, lse) + tuple(vjp((order[3], jnp.zeros_like(lse)))))
+  (out, lse), vjp = jax.vjp(jax.jit(attn), q_l, k_l, v_l)
+  got = [ringflash.from_layout(out, layout, 8), ringflash.from_layout(lse, layout, 8, axis=2)]
+  got += [ringflash.from_layout(g, layout, 8) for g in vjp((dout_l, jnp.zeros_like(lse)))]
   for x in got:
     assert bool(jnp.all(jnp.isfinite(x)))
   helpers.check(got, helpers.oracle_fwd_bwd(q, k, v, dout, causal=True))

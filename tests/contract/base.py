@@ -748,9 +748,9 @@ class ContractTests:
   def test_nonfinite_row_of_large_scores_that_the_loss_ignores(self):
     """A query row holding a NaN whose other entries give scores far past exp's range (a
     loss that masks that row, as a padded or filtered batch does): the gradients of the
-    other rows and of every key stay finite and exact. The backward must not weigh that
-    row's pairs (exp of a large score against a row statistic made -inf is inf, times a
-    zero cotangent NaN), as no O(1) score shows."""
+    other rows and of every key stay finite and exact. A backward that weighs that row's
+    pairs overflows (exp of a score past 88) and multiplies the overflow by the row's zero
+    cotangent: NaN in the keys' gradients, which O(1) scores never show."""
     self.require("ring")
     self._check_seen_nonfinite("q", np.nan, *self._nonfinite_vocab(None, False), large=True)
 
