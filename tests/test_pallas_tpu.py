@@ -358,4 +358,3 @@ def test_a_grid_past_mosaics_step_bound_is_not_implemented():
       "grid of 1 x 1 x 262144 x 262144 = 68719476736 steps")):
     lower(2**27)
   lower(2**20 + 2**19)      # 3072 x 3072 tiles of 512
-
