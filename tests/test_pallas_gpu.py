@@ -275,6 +275,45 @@ def test_float16_backward_keeps_the_range_of_float16(h, hv, lse_cotangent, kerne
     assert _max_err(g, w) <= bound, (name, _max_err(g, w), bound)
 
 
+@pytest.mark.parametrize("h,kernel", [
+    (64, "triton"), pytest.param(128, "mosaic", marks=needs_hopper),
+    pytest.param(192, "wide", marks=needs_hopper)])
+def test_float16_backward_scales_each_kv_head_by_its_own_group(h, kernel):
+  """GQA, float16, ds past 65504 in one kv head's group only: kv head 1's values x 3000 and
+  the cotangent of query head 2 (kv head 1's group of heads 2, 3) x 30; kv head 0 and its
+  query heads 0, 1 ordinary. Each kv head's bound reads its own query heads' cotangents and
+  D, so the range scale gamma is 1 for kv head 0 (an interleaved grouping, heads 0 and 2,
+  would charge it with head 2's cotangent) and below 1 for kv head 1. dq of each query head
+  is divided by its own kv head's gamma (heads 2, 3 by gamma[1]; divided by gamma[0] = 1,
+  their dq would come out times gamma[1], finite and wrong). Every gradient is finite and,
+  head by head, within 4 float16 epsilons of that head's largest against the fp32 oracle."""
+  b, t, n, kh, hv = 1, 256, 4, 2, h
+  interpret = kernel == "triton"
+  if interpret:
+    t = 128
+  assert pallas_gpu.backward_kernel(h, hv, t, interpret) == kernel
+  q, k, v, do = _inputs(11, b, t, t, n, kh, h, hv, jnp.float32)
+  v = v.at[:, :, 1].multiply(3000.0)
+  do = do.at[:, :, 2].multiply(30.0)
+  q, k, v, do = (x.astype(jnp.float16) for x in (q * 0.01, k * 0.01, v, do))
+  out, lse = oracle.attention(q, k, v, causal=True)
+  gamma, _, _ = pallas_gpu._float16_ds_range(v, out.astype(q.dtype), do, None, h ** -0.5)
+  gamma = np.asarray(gamma)
+  assert gamma[0, 0] == 1.0 and gamma[0, 1] <= 2.0 ** -4, gamma
+  pos = jnp.arange(t, dtype=jnp.int32)
+  spec = base.KernelSpec(scale=h ** -0.5, causal=True,
+                         tiles=ringflash.GpuBlockSizes(64, 64, 2), interpret=interpret)
+  got = pallas_gpu.backward(q, k, v, out.astype(q.dtype), lse, do, pos, pos, None, None, spec)
+  _, vjp = jax.vjp(lambda *a: oracle.attention(*a, causal=True), q, k, v)
+  want = vjp((do.astype(jnp.float32), jnp.zeros_like(lse)))
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    assert bool(jnp.all(jnp.isfinite(g))), f"{name}: float16 overflowed"
+    for head in range(g.shape[2]):
+      gh, wh = g[:, :, head], w[:, :, head]
+      bound = 4 * 2.0 ** -10 * float(jnp.max(jnp.abs(wh.astype(jnp.float32))))
+      assert _max_err(gh, wh) <= bound, (name, head, _max_err(gh, wh), bound)
+
+
 def test_float16_ds_range_leaves_ordinary_inputs_alone_and_skips_non_finite():
   """gamma is 1 where ds cannot leave float16's range (O(1) inputs: v reaches the kernels
   unchanged, and D is rowsum(dout out)), a power of two per kv head otherwise, chosen from
