@@ -221,6 +221,14 @@ def test_layout_examples():
   np.testing.assert_array_equal(ringflash.to_layout(x, "striped", 2, axis=0),
                                 [0, 2, 4, 6, 1, 3, 5, 7])
   np.testing.assert_array_equal(ringflash.to_layout(x, "contiguous", 2, axis=0), x)
+  # axes count from the end too, down to -rank
+  np.testing.assert_array_equal(ringflash.to_layout(x, "zigzag", 2, axis=-1),
+                                [0, 1, 6, 7, 2, 3, 4, 5])
+  np.testing.assert_array_equal(
+      ringflash.from_layout(ringflash.to_layout(x[None], "striped", 2, axis=-1), "striped", 2,
+                            axis=-1), x[None])
+  np.testing.assert_array_equal(ringflash.to_layout(x[:, None], "zigzag", 2, axis=-2)[:, 0],
+                                [0, 1, 6, 7, 2, 3, 4, 5])
   np.testing.assert_array_equal(ring_plan.layout_positions("zigzag", 4, 16)[1], [2, 3, 12, 13])
 
 
@@ -434,6 +442,8 @@ def test_bad_layout_arguments():
     ringflash.from_layout(x, "striped", 0)
   with pytest.raises(ValueError, match="axis"):
     ringflash.to_layout(x, "striped", 2, axis=2)
+  with pytest.raises(ValueError, match="axis=-3 is out of range for an array of rank 2"):
+    ringflash.to_layout(x, "striped", 2, axis=-3)
   for axis in (1.0, None, "1", True):          # each was a TypeError not naming axis
     with pytest.raises(ValueError, match="axis must be an int"):
       ringflash.to_layout(x, "striped", 2, axis=axis)

@@ -320,6 +320,9 @@ def test_block_sizes_follow_tpu_tiling():
   with pytest.raises(ValueError, match="block_sizes.block_k=24 .* multiple of 16"):
     resolve(ringflash.TpuBlockSizes(32, 24), 256, 16 * 8193, **kw)   # bf16: 16 sublanes
   assert resolve(ringflash.TpuBlockSizes(32, 128), 256, 256, **kw) == (32, 128)
+  # block_q given alone: block_k is the default's divisor of the KEY length (384 keys
+  # against 256 queries: no 256-row tile)
+  assert resolve(ringflash.TpuBlockSizes(32), 256, 384, **kw) == (32, 384)
   # below the lanes too, where 128 divides the length: the default goes there when VMEM asks
   assert resolve(ringflash.TpuBlockSizes(32, 64), 256, 256, **kw) == (32, 64)
   with pytest.raises(ValueError, match="block_sizes.block_k=24 .* multiple of 16"):

@@ -34,6 +34,8 @@ BAD = [
     ("dtype-mismatch", dict(vdtype=jnp.bfloat16), dict(), "share a dtype"),
     ("int-dtype", dict(dtype=jnp.int32), dict(), "query.dtype"),
     ("gqa", dict(n=4, k=3), dict(), "multiple of key heads"),
+    ("kv-heads-zero", dict(k=0), dict(), "multiple of key heads"),   # not N % 0
+    ("value-empty", dict(), dict(value=jnp.zeros((B, T, K, 0))), "must be non-empty"),
     ("layout", dict(), dict(layout="diagonal"), "layout must be one of"),
     ("sinks-shape", dict(), dict(sinks=jnp.zeros((K,))), "sinks must have shape [N]"),
     ("sinks-dtype", dict(), dict(sinks=jnp.zeros((N,), jnp.int32)), "sinks must have a floating"),
