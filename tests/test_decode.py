@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -233,7 +234,6 @@ def test_a_window_reaches_past_the_cache_size(strategy):
 def test_a_tuple_of_axes_in_another_order_than_the_mesh(strategy):
   """The cache split over ("u", "r") on a mesh ("r", "u"): slot order follows the tuple, and
   the ring strategy's permutes (JAX takes them in the mesh's order only) follow it too."""
-  from jax.sharding import Mesh
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("r", "u"))
   q, key, v = _inputs(37, 2, 2, 64, 4, 2, 8)
   lengths = jnp.array([50, 23])
@@ -440,7 +440,8 @@ def test_cache_overflow_under_jit_makes_the_attention_nan(ring):
   """An append past max_len under jit cannot raise: the tokens past the capacity are not
   written. The later attention was a finite answer without them; it is now NaN (out and
   lse, every token of every row past its capacity). Slots count per row as `used` (a
-  prefill's padding fills slots too), so both rows here overflow at the second append."""
+  prefill's padding fills slots too): both rows here fill every slot at the second append,
+  which is no overflow (the oracle's answer), and overflow at the third."""
   mesh = helpers.mesh_of(ring)
   n, k, h, s_max = 4, 2, 8, 16
   q, key, v = _inputs(9, 2, 20, 20, n, k, h)
@@ -449,15 +450,16 @@ def test_cache_overflow_under_jit_makes_the_attention_nan(ring):
   step = jax.jit(lambda c, kn, vn: c.append(kn, vn))
   attend = jax.jit(lambda c, q: c.attention(q, return_residual=True))
   lengths = np.array([12, 7])
-  for overflows in (False, True):               # 15 of 16 slots used, then 18
-    cache = step(cache, _new_tokens(key, lengths, 3), _new_tokens(v, lengths, 3))
-    lengths = lengths + 3
+  for t, overflows in ((3, False), (1, False), (2, True)):   # 15, 16 and 18 of 16 slots
+    cache = step(cache, _new_tokens(key, lengths, t), _new_tokens(v, lengths, t))
+    lengths = lengths + t
     qn = _new_tokens(q, lengths - 2, 2)
     out, lse = attend(cache, qn)
     if overflows:
       assert bool(jnp.all(jnp.isnan(out))) and bool(jnp.all(jnp.isnan(lse)))
     else:
-      _close((out, lse), _reference(qn, key[:, :15], v[:, :15], lengths))
+      top = int(lengths.max())
+      _close((out, lse), _reference(qn, key[:, :top], v[:, :top], lengths))
   # eagerly, such an append is refused
   with pytest.raises(ValueError, match="appending t=3 tokens overflows the cache: a row has "
                                        "18 of its max_len=16 slots filled"):
@@ -548,6 +550,10 @@ def test_cache_checks_its_arguments():
     ringflash.KVCache.create(1, 30, 1, 8, mesh=mesh)
   with pytest.raises(ValueError, match="batch_axis"):
     ringflash.KVCache.create(1, 32, 1, 8, mesh=mesh, batch_axis="sp")
+  grid = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "sp"))
+  with pytest.raises(ValueError, match=re.escape(
+      "batch=3 must be divisible by the 2 devices of batch_axis 'data'")):
+    ringflash.KVCache.create(3, 32, 1, 8, mesh=grid, batch_axis="data")
   for dtype in ("foo", jnp.int32):        # "foo" was NumPy's TypeError, not naming dtype
     with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16"):
       ringflash.KVCache.create(1, 32, 1, 8, mesh=mesh, dtype=dtype)
@@ -564,6 +570,10 @@ def test_cache_checks_its_arguments():
   full = cache.prefill(jnp.zeros((1, 16, 1, 8)), jnp.zeros((1, 16, 1, 8)))
   with pytest.raises(ValueError, match="overflows the cache"):
     full.append(jnp.zeros((1, 1, 1, 8)), jnp.zeros((1, 1, 1, 8)))
+  # an append that fills the last slots is not an overflow
+  filled = cache.prefill(jnp.zeros((1, 12, 1, 8)), jnp.zeros((1, 12, 1, 8))).append(
+      jnp.zeros((1, 4, 1, 8)), jnp.zeros((1, 4, 1, 8)))
+  np.testing.assert_array_equal(filled.lengths, [16])
   # the query in the cache's terms: decode_attention's messages name key_cache / value_cache
   two_heads = ringflash.KVCache.create(1, 16, 2, 8, mesh=mesh, dtype=jnp.float32)
   for held, query, message in (
