@@ -128,6 +128,10 @@ VOCAB_CASES = [
               segments=True, lead=(1,)),
     # causal, one token short: the padding is hidden by the causal mask, no ids
     VocabCase("causal-uneven-zigzag-sinks-P4", 4, layout="zigzag", trim=1, sinks=True),
+    # cross attention, S = 2T + 3, both padded inside: the keys' padding starts at S, not at
+    # T; a window's right reach (100 / 16 units) past T but within S is not cut to T
+    VocabCase("cross-uneven-wide-right-window-P4", 4, causal=False, t=1, s=2, trim=3,
+              window=(8, 100), lead=(1,)),
 ]
 
 SLOW_VOCAB_CASES = [
@@ -930,18 +934,20 @@ class ContractTests:
     if where == "q":
       assert np.all(np.isfinite(dk[0, ~seen])) and np.all(np.isfinite(dv[0, ~seen]))
 
-  @pytest.mark.parametrize("ring_size,sinks", [(4, False), (4, True), (1, False)],
-                           ids=["P4", "P4-sinks", "P1"])
-  def test_scores_below_float32_make_their_row_nan_not_zero(self, ring_size, sinks):
+  @pytest.mark.parametrize("ring_size,sinks,causal", [(4, False, True), (4, True, True),
+                                                      (1, False, True), (2, False, False)],
+                           ids=["P4", "P4-sinks", "P1", "P2-unmasked"])
+  def test_scores_below_float32_make_their_row_nan_not_zero(self, ring_size, sinks, causal):
     """Finite inputs whose scores overflow float32: the rows whose every valid score is -inf
     (q = -1e38 against positive keys) have no float32 answer and become NaN, out and lse,
     with non-finite gradients where the loss reads them; they never pass for rows without
     keys (0). With sinks the exact answer is representable (the sink takes all the weight):
     out 0, lse the sink, and every output and gradient equals the oracle's. Other rows are
-    exact either way. Causal, so each such row meets keys over several ring steps."""
+    exact either way. Causal, each such row meets keys over several ring steps, on tiles
+    with and without a mask; not causal (no ids, no window), on tiles without one only."""
     self.require("ring")
     vocab, oracle_vocab = self._nonfinite_vocab(None, sinks)
-    case = self.adapt(RingCase("overflow", ring_size, causal=True))
+    case = self.adapt(RingCase("overflow", ring_size, causal=causal))
     q, k, v, dout, _ = self._inputs(case)
     t, p = q.shape[1], case.ring_size
     k = (jnp.abs(k.astype(jnp.float32)) + 0.5).astype(k.dtype)   # q.k < -3.4e38 below
@@ -950,12 +956,13 @@ class ContractTests:
     mesh = self.mesh(p)
 
     def ring(a, b_, c):
-      return ringflash.ring_attention(a, b_, c, mesh=mesh, **self.options(), is_causal=True,
-                                      return_residual=True, backend=self.BACKEND, **vocab,
+      return ringflash.ring_attention(a, b_, c, mesh=mesh, **self.options(),
+                                      is_causal=causal, return_residual=True,
+                                      backend=self.BACKEND, **vocab,
                                       block_sizes=self.block_sizes(t // p, t // p))
 
     def dense(upcast):
-      return lambda a, b_, c: oracle.attention(a, b_, c, causal=True, upcast=upcast,
+      return lambda a, b_, c: oracle.attention(a, b_, c, causal=causal, upcast=upcast,
                                                **oracle_vocab)
 
     def with_grads(attn, q_, mask=None):
