@@ -120,10 +120,11 @@ def test_nonfinite_rule_under_remat(strategy):
   _Strategy(strategy).test_nonfinite_rule_holds_under_remat("names")
 
 
-@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize("sinks,causal", [(False, True), (True, True), (False, False)],
+                         ids=["plain", "sinks", "unmasked"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_scores_below_float32(strategy, sinks):
-  _Strategy(strategy).test_scores_below_float32_make_their_row_nan_not_zero(4, sinks)
+def test_scores_below_float32(strategy, sinks, causal):
+  _Strategy(strategy).test_scores_below_float32_make_their_row_nan_not_zero(4, sinks, causal)
 
 
 @pytest.mark.parametrize("strategy,options,n,k,mesh_axes,says", [
