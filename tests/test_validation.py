@@ -48,6 +48,7 @@ BAD = [
     ("strategy", dict(), dict(strategy="tree"), "strategy"),
     ("axis", dict(), dict(axis_name="seq"), "axis_name must be a mesh axis"),
     ("axis-repeated", dict(), dict(axis_name=("sp", "sp")), "distinct mesh axes"),
+    ("axis-unknown-in-tuple", dict(), dict(axis_name=("sp", "seq")), "distinct mesh axes"),
     ("seg-shape", dict(), dict(segment_ids=jnp.zeros((B, T + 8), jnp.int32)), "segment_ids"),
     ("seg-dtype", dict(), dict(segment_ids=jnp.zeros((B, T), jnp.float32)), "integer dtype"),
     ("seg-pair-len", dict(), dict(segment_ids=(jnp.zeros((B, T), jnp.int32),)), "pair"),
@@ -321,6 +322,38 @@ def test_sharded_entry_refuses_whole_sequence_values_varying_over_the_ring(name)
       out_specs=P(None, "sp"))
   with pytest.raises(ValueError, match=f"{name} varies over mesh axis 'sp' of axis_name"):
     fn(q, key, v, value)
+
+
+def test_sharded_entry_checks_every_axis_of_a_tuple():
+  """A ring over ("a", "b"): keys split over "a" alone (replicated over "b", the tuple's
+  second axis) and lengths that vary over "b" are refused by name, as over a single axis.
+  The lengths' case ran (each device of "b" merging blocks computed with another length: a
+  silently wrong answer) where only the tuple's first axis was checked."""
+  q, key, v = _arrays(t=16, s=16)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+  ring = P(None, ("a", "b"))
+  fn = jax.shard_map(
+      lambda q, k, v: ringflash.ring_attention_sharded(q, k, v, axis_name=("a", "b")),
+      mesh=mesh, in_specs=(ring, P(None, "a"), P(None, "a")), out_specs=ring)
+  with pytest.raises(ValueError, match="key does not vary over mesh axis 'b'"):
+    fn(q, key, v)
+  fn = jax.shard_map(
+      lambda q, k, v, x: ringflash.ring_attention_sharded(
+          q, k, v, axis_name=("a", "b"), key_value_seq_lengths=x),
+      mesh=mesh, in_specs=(ring,) * 3 + (P("b"),), out_specs=ring)
+  with pytest.raises(ValueError, match="key_value_seq_lengths varies over mesh axis 'b'"):
+    fn(q, key, v, jnp.array([3, 16, 9, 12], jnp.int32))
+
+
+def test_kv_heads_the_query_heads_sharding_does_not_divide_are_named():
+  """Query heads sharded over a mesh axis "tp" of 4 devices with K = 2 kv heads: the kv heads
+  cannot follow the query heads' sharding. A ValueError names the key heads and the axis."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("sp", "tp"))
+  q, key, v = _arrays(t=16, s=16, n=4, k=2)
+  q = jax.device_put(q, jax.sharding.NamedSharding(mesh, P(None, "sp", "tp")))
+  key, v = (jax.device_put(x, jax.sharding.NamedSharding(mesh, P(None, "sp"))) for x in (key, v))
+  with pytest.raises(ValueError, match="key heads K=2 must divide over the mesh axes tp"):
+    ringflash.ring_attention(q, key, v, mesh=mesh, axis_name="sp", is_causal=True)
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
