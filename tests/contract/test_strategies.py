@@ -11,6 +11,7 @@ its rings of 8 run on 4 devices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +138,8 @@ def test_scores_below_float32(strategy, sinks, causal):
     ("hybrid", {}, 4, 2, ("sp",), "'hybrid' needs axis_name to be a tuple"),
     ("hybrid", {}, 3, 1, ("r", "u"), "'hybrid' shards the N=3 query heads over the 2 devices "
      "of the last axis"),
+    # over a tuple of axes Ulysses shards the heads over all of its devices, not the first axis'
+    ("ulysses", {}, 2, 2, ("a", "b"), "N=2 query heads"),
 ])
 def test_what_a_strategy_cannot_run_is_not_implemented_naming_it(strategy, options, n, k,
                                                                   mesh_axes, says):
@@ -150,6 +153,23 @@ def test_what_a_strategy_cannot_run_is_not_implemented_naming_it(strategy, optio
   with pytest.raises(NotImplementedError, match=says):
     jax.jit(lambda q, kv: ringflash.ring_attention(
         q, kv, kv, mesh=mesh, axis_name=axis_name, strategy=strategy, **options)).lower(q, kv)
+
+
+def test_hybrid_shards_the_heads_over_its_last_axis_whatever_the_first():
+  """Hybrid on ("r", "u"): Ulysses over "u", the last axis, so N = K = 2 heads run on a
+  4 x 2 mesh (exact) and are refused on a 2 x 4 one, naming the last axis' 4 devices (the
+  all-to-all's own error otherwise); the square meshes elsewhere cannot tell the axes apart."""
+  q, k, v, _ = helpers.inputs(29, 1, 16, 16, 2, 2, 8, jnp.float32)
+  for shape in ((4, 2), (2, 4)):
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("r", "u"))
+    attn = functools.partial(ringflash.ring_attention, mesh=mesh, axis_name=("r", "u"),
+                             strategy="hybrid", is_causal=True, return_residual=True)
+    if shape == (4, 2):
+      _fwd_bwd_against_oracle(attn, q, k, v, causal=True)
+    else:
+      with pytest.raises(NotImplementedError, match="N=2 query heads over the 4 devices of "
+                                                    "the last axis"):
+        jax.jit(attn).lower(q, k, v)
 
 
 def _fwd_bwd_against_oracle(fn, q, k, v, **oracle_options):
