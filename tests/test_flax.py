@@ -198,6 +198,11 @@ def test_unsupported_arguments(case):
 def test_bad_option():
   with pytest.raises(ValueError, match="is_causal must be a bool"):
     ringflash.flax_attention_fn(is_causal="false")
+  # and where the layer passes it at call time ("false" is truthy: it ran causal)
+  fn = ringflash.flax_attention_fn(mesh=helpers.mesh_of(2))
+  q = jnp.zeros((1, 16, 2, 8))
+  with pytest.raises(ValueError, match="is_causal must be a bool, got 'false'"):
+    fn(q, q, q, is_causal="false")
 
 
 def test_ringflash_imports_without_flax():
