@@ -129,8 +129,8 @@ VOCAB_CASES = [
     # causal, one token short: the padding is hidden by the causal mask, no ids
     VocabCase("causal-uneven-zigzag-sinks-P4", 4, layout="zigzag", trim=1, sinks=True),
     # cross attention, S = 2T + 3, both padded inside, zigzag: the keys' padding starts at
-    # S, not at T, and so do their layout's positions; a window's right reach (100 / 16
-    # units) past T but within S is not cut to T
+    # S, not at T, and so do their layout's positions; a window's right reach (100
+    # sixteenths of UNIT) past T but within S is not cut to T
     VocabCase("cross-uneven-zigzag-wide-right-window-P4", 4, causal=False, layout="zigzag",
               t=1, s=2, trim=3, window=(8, 100), lead=(1,)),
 ]
