@@ -40,13 +40,18 @@ needs_hopper = pytest.mark.skipif(not helpers.hopper_devices(),
 
 
 def _segments(b, t, s, with_empty):
-  """Packed documents; with_empty gives query rows an id no key has (rows with no key)."""
+  """Packed documents of three per batch row, cut at other places in row 0 (halves, then
+  quarters) than in the others (thirds), so that each row has its own tile plan: row 0
+  skips tile pairs and runs unmasked ones that row 1 needs masked (a kernel reading row 0's
+  plan for every row gets row 1 wrong). with_empty gives query rows an id no key has (rows
+  with no key)."""
   q_ids = np.zeros((b, t), np.int32)
   kv_ids = np.zeros((b, s), np.int32)
-  q_ids[:, t // 3:] = 1
-  kv_ids[:, s // 3:] = 1
-  q_ids[:, 2 * t // 3:] = 2
-  kv_ids[:, 2 * s // 3:] = 2
+  for ids, n in ((q_ids, t), (kv_ids, s)):
+    ids[0, n // 2:] = 1
+    ids[0, 3 * n // 4:] = 2
+    ids[1:, n // 3:] = 1
+    ids[1:, 2 * n // 3:] = 2
   if with_empty:
     q_ids[:, t - t // 8:] = 7
   return jnp.asarray(q_ids), jnp.asarray(kv_ids)
@@ -150,8 +155,9 @@ def test_backward_kernels_interpret(causal, segs, n, kh, window, h, hv, softcap,
   """The Triton backward kernels in interpret mode, from the oracle's out and lse: called
   directly with the dk, dv kernel's tiles keys first or transposed (`path` True / False),
   or through pallas_gpu.backward ("backend"), which takes the head dims as column pieces
-  (triton_dims), pads them to the pieces' sum and cuts the gradients back."""
-  b, t = 1, 128
+  (triton_dims), pads them to the pieces' sum and cuts the gradients back. With segments,
+  two batch rows, each with its own tile plan (_segments)."""
+  b, t = (2 if segs else 1), 128
   q, k, v, do = _inputs(1, b, t, t, n, kh, h, hv)
   q_seg, kv_seg = _segments(b, t, t, with_empty=True) if segs else (None, None)
   pos = jnp.arange(t, dtype=jnp.int32)
