@@ -147,6 +147,13 @@ def test_work_table_p8():
   assert table["contiguous"].max() / table["contiguous"].mean() > 1.8
 
 
+def test_balance_block_is_the_largest_divisor_of_the_zigzag_chunk_up_to_the_cap():
+  assert ring_plan.balance_block(8192, 8) == 512                # chunk 512: the cap itself
+  assert ring_plan.balance_block(8192, 4) == 512                # chunk 1024, capped
+  assert ring_plan.balance_block(8192, 8, cap=100) == 64        # 512's largest up to 100
+  assert ring_plan.balance_block(48, 4) == 6                    # chunk 6, below the cap
+
+
 @pytest.mark.parametrize("layout,causal,window", [
     ("contiguous", True, None), ("zigzag", True, None), ("striped", True, None),
     ("contiguous", False, (9, 3)), ("zigzag", True, (13, 0)), ("zigzag", False, (5, 21)),
@@ -598,6 +605,10 @@ def test_plan_tile_counts_and_lanes_match_a_pair_by_pair_count():
         tiles, lanes = _plan_pair_by_pair(layout, p, q_len, kv_len, bq, bk, causal, window,
                                           bidirectional, group)
         np.testing.assert_array_equal(plan.tiles, tiles)
+        # The lanes visit each offset with work once, at steps they compute, so each device
+        # computes every tile it has work in, once (a lane's steps before its first are held,
+        # not computed).
+        np.testing.assert_array_equal(plan.work_per_device(), tiles.sum(axis=(1, 2)))
         if lanes == "both":
           assert plan.parts == 2 and [l.direction for l in plan.lanes] == [1, -1]
         else:
