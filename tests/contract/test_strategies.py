@@ -354,6 +354,19 @@ def test_the_cost_model_takes_the_gpus_own_memory():
   tight = cost.choose(call, axes, platform="gpu", device=Gpu(common + extra[least]))
   assert [e.strategy for e in tight.estimates if e.fits] == [least]
   assert tight.strategy == least
+  # The fastest strategy when it does not fit: 12 query heads (Ulysses cannot split them
+  # over 8 devices), where the all-gather is estimated faster than the ring but holds twice
+  # its extra bytes. With room for the ring's alone, the ring runs.
+  x12, kv4 = (jax.ShapeDtypeStruct((1, t // 8, heads, 128), jnp.bfloat16) for heads in (12, 4))
+  call = _validate.check_call(x12, kv4, kv4, ring_size=p, local=False, pads=True,
+                              is_causal=False)
+  roomy = cost.choose(call, axes, platform="gpu", device=Gpu(2**50))
+  extra = {e.strategy: e.extra_bytes for e in roomy.estimates}
+  assert roomy.strategy == "allgather" and extra["allgather"] > extra["ring"]
+  tight = cost.choose(call, axes, platform="gpu",
+                      device=Gpu(roomy.common_bytes + extra["ring"]))
+  assert [e.strategy for e in tight.estimates if e.fits] == ["ring"]
+  assert tight.strategy == "ring"
   assert cost.device_memory(Gpu(80 * 2**30)) == 80 * 2**30
   assert cost.device_memory(jax.devices()[0]) is None            # CPU devices give none
 
