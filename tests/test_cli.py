@@ -28,6 +28,7 @@ def _run(*args, script=None, platforms="cpu"):
     ("plan", ["--heads=32", "--kv_heads=5"], "--kv_heads"),
     ("plan", ["--head_dim=0"], "--head_dim"),
     ("plan", ["v5p:2x2x2"], "argument"),
+    ("plan", ["v5p:2x2x2\n--seq_len=8"], "argument"),        # a line break in the argument
     ("demo", ["--seq_len=-8"], "--seq_len"),
     ("demo", ["--seq_len=100"], "--seq_len"),                  # 8 simulated devices
     ("demo", ["--heads=4", "--kv_heads=3"], "--kv_heads"),
