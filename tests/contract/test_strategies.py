@@ -102,8 +102,11 @@ def test_error_does_not_grow_with_ring_size(strategy):
   _Strategy(strategy).test_error_does_not_grow_with_ring_size()
 
 
-@pytest.mark.parametrize("where", ["q", "q-inf-softcap", pytest.param("v", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy,where", [
+    # hybrid's "q" (a minute on two cores) runs with the slow cases; its "q-inf-softcap" by
+    # default
+    pytest.param(s, w, marks=pytest.mark.slow) if w == "v" or (s, w) == ("hybrid", "q")
+    else (s, w) for s in STRATEGIES for w in ("q", "q-inf-softcap", "v")])
 def test_nonfinite_rule(strategy, where):
   if where == "q-inf-softcap":     # the strategy's own forward guards the query too
     _Strategy(strategy).test_nonfinite_values_a_row_sees_reach_it("q", 2.0, False, np.inf)
@@ -121,9 +124,14 @@ def test_nonfinite_rule_under_remat(strategy):
   _Strategy(strategy).test_nonfinite_rule_holds_under_remat("names")
 
 
-@pytest.mark.parametrize("sinks,causal", [(False, True), (True, True), (False, False)],
-                         ids=["plain", "sinks", "unmasked"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy,sinks,causal", [
+    # hybrid's sinks and unmasked cases (half a minute each on two cores) run with the slow
+    # cases; its plain one by default
+    pytest.param(s, *v, id=f"{s}-{name}",
+                 marks=[pytest.mark.slow] if s == "hybrid" and name != "plain" else [])
+    for s in STRATEGIES
+    for name, v in (("plain", (False, True)), ("sinks", (True, True)),
+                    ("unmasked", (False, False)))])
 def test_scores_below_float32(strategy, sinks, causal):
   _Strategy(strategy).test_scores_below_float32_make_their_row_nan_not_zero(4, sinks, causal)
 
