@@ -125,7 +125,7 @@ def test_nonfinite_rule_under_remat(strategy):
 
 
 @pytest.mark.parametrize("strategy,sinks,causal", [
-    # hybrid's sinks and unmasked cases (half a minute each on two cores) run with the slow
+    # hybrid's sinks and unmasked cases (some 20 s each on two cores) run with the slow
     # cases; its plain one by default
     pytest.param(s, *v, id=f"{s}-{name}",
                  marks=[pytest.mark.slow] if s == "hybrid" and name != "plain" else [])
