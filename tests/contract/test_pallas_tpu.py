@@ -12,9 +12,10 @@ from contract import base
 class TestPallasTpu(base.ContractTests):
   BACKEND = "pallas_tpu"
   SHARD_MAP_CHECK_VMA = False        # interpret mode (tests/test_ring.py checks the error)
-  # Interpreted, these take 25-60 s each on two cores: run with the slow cases. Each combines
-  # features that other default cases run on this backend one or two at a time, and the xla
-  # backend runs them all by default.
+  # Run with the slow cases: among the default run's longest in a --durations run of the whole
+  # suite (48-103 s each there, 9-13 s each run alone). Each combines features that other
+  # default cases run on this backend one or two at a time, and the xla backend runs them all
+  # by default.
   SLOW_CASES = frozenset({
       "test_error_does_not_grow_with_ring_size",
       "test_ring_matches_oracle[gqa-causal-seg-P8]",
