@@ -105,8 +105,9 @@ def test_error_does_not_grow_with_ring_size(strategy):
 @pytest.mark.parametrize("strategy,where", [
     # hybrid's "q" (115 s in a --durations run of the whole suite, 11 s run alone) runs with
     # the slow cases; its "q-inf-softcap" by default
-    pytest.param(s, w, marks=pytest.mark.slow) if w == "v" or (s, w) == ("hybrid", "q")
-    else (s, w) for s in STRATEGIES for w in ("q", "q-inf-softcap", "v")])
+    pytest.param(s, w, marks=[pytest.mark.slow] if w == "v" or (s, w) == ("hybrid", "q")
+                 else [])
+    for s in STRATEGIES for w in ("q", "q-inf-softcap", "v")])
 def test_nonfinite_rule(strategy, where):
   if where == "q-inf-softcap":     # the strategy's own forward guards the query too
     _Strategy(strategy).test_nonfinite_values_a_row_sees_reach_it("q", 2.0, False, np.inf)
