@@ -181,6 +181,30 @@ def test_ratio_is_the_median_of_the_rounds_ratios():
     harness.ratio_by_round([1.0, 2.0], [1.0])
 
 
+def test_tflops_count_flash_attentions_convention(monkeypatch):
+  """A row's TFLOP/s are the convention's FLOPs over the median time: 4 B N T S H forward (2
+  B N T S (H + Hv) where the value head dim is its own, the features mode's MLA row), halved
+  when causal, 3.5 times that forward+backward. Every call takes 0.25 s here by the clock
+  the harness reads."""
+  from ringflash.cli.bench import features, harness, kernels
+
+  def quarter_second(fn, *args):
+    jax.block_until_ready(fn(*args))
+    return 0.25
+
+  monkeypatch.setattr(harness, "seconds", quarter_second)
+  f = types.SimpleNamespace(seq_lens=["32"], gqa_seq_lens=[], kv_heads=["2"], heads=2,
+                            head_dim=16, batch=1, causal=["false", "true"],
+                            impls=["ringflash"], xla_max_len=0, warmup=0, iters=2,
+                            backward=True, variants=["mla"])
+  for rows, h, hv in ((kernels.run(f), 16, 16), (features.run(f), 192, 128)):
+    assert [row["causal"] for row in rows] == [False, True]
+    for row in rows:
+      fwd = 2 * 1 * 2 * 32 * 32 * (h + hv) / (2 if row["causal"] else 1) / 0.25 / 1e12
+      assert row["ringflash_fwd"] == pytest.approx(fwd, rel=1e-12), row
+      assert row["ringflash_fwdbwd"] == pytest.approx(3.5 * fwd, rel=1e-12), row
+
+
 def test_gpu_compiler_options_follow_the_flag():
   from ringflash.cli.bench import harness
   option = harness.OVERLAP_OPTION
