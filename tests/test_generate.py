@@ -168,6 +168,36 @@ def test_a_teacher_logit_of_minus_infinity_is_marked_and_never_a_near_tie(checkp
   assert result.near_ties == 0
 
 
+def test_a_decoded_logit_of_minus_infinity_is_marked(checkpoint, monkeypatch):
+  """-inf in one id of the decoded logits only (the decoder's side of the test above):
+  each prediction of the decoding steps is marked and counted, and a mismatch, not the
+  argmax of its finite ids; the prompt's own prediction (position 63) is untouched."""
+  decode_step = model.decode_step
+
+  def decode_step_with_minus_inf(*args, **kwargs):
+    logits, caches = decode_step(*args, **kwargs)
+    return logits.at[..., -1].set(-jnp.inf), caches
+
+  monkeypatch.setattr(model, "decode_step", decode_step_with_minus_inf)
+  result = generate.run(_job(checkpoint, "--new_tokens=2"), log=lambda _: None)
+  assert (result.decoded[:, 64:] == -2).all() and (result.teacher[:, 63:] >= 0).all()
+  np.testing.assert_array_equal(result.decoded[:, 63], result.teacher[:, 63])
+  assert result.nonfinite == 2 * 65 and result.mismatches == 2 * 65
+  assert result.near_ties == 0
+
+
+def test_the_newest_step_with_a_runs_metadata_is_read(tmp_path):
+  """generate reads the run's settings from the newest step whose metadata is a run of
+  `ringflash train`: step 7's here, past step 9's (not JSON), step 8's (no run) and an
+  interrupted save's temporary folder, and not step 3's."""
+  for step, text in ((3, json.dumps({"run": {"seed": 3}})), (7, json.dumps({"run": {"seed": 7}})),
+                     (8, json.dumps({"data": {"next_step": 8}})), (9, "{not json")):
+    (tmp_path / str(step) / "meta").mkdir(parents=True)
+    (tmp_path / str(step) / "meta" / "metadata").write_text(text)
+  (tmp_path / "12.orbax-checkpoint-tmp-1").mkdir()
+  assert generate.newest_meta(str(tmp_path)) == (7, {"run": {"seed": 7}})
+
+
 def test_cache_slots_are_whole_tiles_of_128_per_device():
   assert generate.cache_slots(4103, 4) == 4608          # the default run: 1152 per device
   assert generate.cache_slots(512, 4) == 512
