@@ -95,7 +95,7 @@ def run(f) -> list[dict]:
         else:
           impls[peer] = _cudnn(causal, impl)
         fns = {name: harness.jitted_pair(fn) for name, fn in impls.items()}
-        flops = 2.0 * b * n * t * t * (h + hv) / (2 if causal else 1)
+        flops = harness.flops(b, n, t, t, h, causal, hv=hv)
         row = {"variant": variant, "T": t, "N": n, "K": kh, "H": h, "Hv": hv,
                "causal": causal}
         passes = [("fwd", 0, (q, k, v), 1.0)]

@@ -108,9 +108,10 @@ def figure(x: float | None, digits: int) -> str:
   return "-" if x is None else f"{x:.{digits}f}"
 
 
-def flops(b: int, n: int, t: int, s: int, h: int, causal: bool) -> float:
-  """Forward FLOPs (FlashAttention's convention): 4 * B * N * T * S * H, halved if causal."""
-  f = 4.0 * b * n * t * s * h
+def flops(b: int, n: int, t: int, s: int, h: int, causal: bool, hv: int | None = None) -> float:
+  """Forward FLOPs (FlashAttention's convention): 2 * B * N * T * S * (H + Hv), Hv = H unless
+  given (4 * B * N * T * S * H), halved if causal."""
+  f = 2.0 * b * n * t * s * (h + (h if hv is None else hv))
   return f / 2 if causal else f
 
 
