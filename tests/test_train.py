@@ -145,6 +145,9 @@ def test_data_is_a_function_of_seed_and_step():
   a, b = data.batch(task, 3, 7, 4), data.batch(task, 3, 7, 4)
   np.testing.assert_array_equal(a.tokens, b.tokens)
   assert not np.array_equal(a.tokens, data.batch(task, 3, 8, 4).tokens)
+  # each row is a sequence of its own (its own stream): a batch of copies of one sequence
+  # passed every other check here
+  assert len({row.tobytes() for row in a.tokens}) == 4
   np.testing.assert_array_equal(data.batch(task, 3, 7, 4, rows=slice(2, 4)).tokens,
                                 a.tokens[2:4])
   np.testing.assert_array_equal(a.positions, np.tile(np.arange(512), (4, 1)))
