@@ -131,6 +131,20 @@ def test_rope_is_a_rotation_by_position_of_each_pair():
   np.testing.assert_allclose(score(3, 1), score(103, 101), rtol=1e-4, atol=1e-5)
 
 
+def test_dropout_scales_what_it_keeps_so_that_the_mean_is_kept():
+  """Residual dropout at rate r zeroes about r of the elements and divides the rest by
+  1 - r (inverted dropout: evaluation, which drops nothing, sees the same scale); without a
+  key or at rate 0 it is the identity. Only the training runs' losses read it before, and
+  they passed without the division."""
+  x = jax.random.normal(jax.random.PRNGKey(5), (4, 64, 32))
+  out = np.asarray(model._dropout(x, 0.25, jax.random.PRNGKey(6)))
+  kept = out != 0
+  assert 0.2 < 1 - kept.mean() < 0.3, kept.mean()
+  np.testing.assert_allclose(out[kept], np.asarray(x)[kept] / 0.75, rtol=1e-6)
+  np.testing.assert_array_equal(model._dropout(x, 0.25, None), x)
+  np.testing.assert_array_equal(model._dropout(x, 0.0, jax.random.PRNGKey(6)), x)
+
+
 def test_the_parameter_bound_counts_what_init_params_makes():
   config = _config().model
   params = model.init_params(config, jax.random.PRNGKey(0))
