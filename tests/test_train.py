@@ -514,7 +514,9 @@ def _corrupt_arrays(step_dir):
 
 @pytest.mark.parametrize("damage", [
     "corrupt_arrays", "delete_arrays", pytest.param("drop_metadata", marks=pytest.mark.slow),
-    pytest.param("truncate_arrays", marks=pytest.mark.slow)])
+    pytest.param("truncate_arrays", marks=pytest.mark.slow),
+    # metadata that lost one array's fingerprint: that array is unverified, not verified
+    pytest.param("drop_a_fingerprint", marks=pytest.mark.slow)])
 def test_partial_or_corrupted_checkpoint_is_skipped_and_named(tmp_path, damage):
   trainer = train.Trainer(_config())
   state = trainer.init_state()
@@ -538,6 +540,13 @@ def test_partial_or_corrupted_checkpoint_is_skipped_and_named(tmp_path, damage):
     for name in glob.glob(os.path.join(step4, "state", "**", "d", "*"), recursive=True):
       with open(name, "w"):
         pass
+  elif damage == "drop_a_fingerprint":
+    meta_file = os.path.join(step4, "meta", "metadata")
+    with open(meta_file) as f:
+      meta = json.load(f)
+    del meta["fingerprint"]["['step']"]
+    with open(meta_file, "w") as f:
+      json.dump(meta, f)
   else:
     os.remove(os.path.join(step4, "meta", "metadata"))
   # A leftover of an interrupted save of step 6.
@@ -554,6 +563,9 @@ def test_partial_or_corrupted_checkpoint_is_skipped_and_named(tmp_path, damage):
   if damage == "truncate_arrays":
     # TensorStore's error, as orbax raises it: a plain Exception or a ValueError, by file.
     assert any("skipping step 4: cannot be loaded (" in m for m in messages), messages
+  if damage == "drop_a_fingerprint":
+    assert any("skipping step 4: arrays differ from the fingerprints saved with them "
+               "(corrupted): ['step']" in m for m in messages), messages
 
 
 @pytest.mark.parametrize("error,skipped", [(Exception, True), (OSError, True),
