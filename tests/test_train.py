@@ -767,6 +767,22 @@ def test_a_save_that_is_due_and_does_not_start_is_reported(tmp_path, monkeypatch
   assert sorted(os.listdir(tmp_path)) == ["8"]
 
 
+@pytest.mark.slow
+def test_a_notice_after_the_last_step_leaves_a_complete_run(tmp_path, monkeypatch):
+  """A notice that arrives during the last step: the run is complete (its last step saved as
+  every run's is), not preempted, so that the launch reports success rather than a
+  preemption to resume. Asking after the last step too passed every test."""
+  trainer = train.Trainer(_config(steps=2))
+  monkeypatch.setattr(train.distributed.PreemptionNotice, "reached",
+                      lambda self, step: step >= 2)
+  messages = []
+  outcome = train.run(trainer, checkpoint_dir=str(tmp_path), save_every=5, keep=3,
+                      async_save=False, resume=False, log=messages.append)
+  assert outcome.preempted_at is None and [m["step"] for m in outcome.history] == [1, 2]
+  assert not any("preemption" in m for m in messages), messages
+  assert sorted(os.listdir(tmp_path)) == ["2"]
+
+
 @pytest.mark.parametrize("flag,there,now", [("learning_rate", 0.01, 0.05),
                                             ("warmup_steps", 2, 0)])
 def test_resume_with_another_learning_rate_or_warmup_is_refused(tmp_path, flag, there, now):
