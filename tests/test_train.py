@@ -744,8 +744,9 @@ def test_resume_drops_the_metrics_of_the_steps_it_computes_again(tmp_path):
 def test_a_save_that_is_due_and_does_not_start_is_reported(tmp_path, monkeypatch):
   """Step 8 is in the folder (as if another run wrote there meanwhile): orbax refuses to save
   steps 1 and 2. On a preemption notice at step 1 the message says it could not save; a due
-  save (step 2) that does not start is an error. Before: "saved step 1", and nothing."""
-  config = _config(steps=2)
+  save (step 2, not the last) that does not start is an error. Before: "saved step 1", and
+  nothing."""
+  config = _config(steps=3)
   trainer = train.Trainer(config)
   ckpt = checkpointing.Checkpoints(str(tmp_path), save_every=2, keep=3, async_save=False)
   _save_as_run(ckpt, 8, _state_at(trainer, 8), config)
@@ -758,7 +759,7 @@ def test_a_save_that_is_due_and_does_not_start_is_reported(tmp_path, monkeypatch
   assert outcome.preempted_at == 1
   assert (f"train: preemption notice (SIGTERM): could not save step 1: {tmp_path} already "
           "holds step 8, and orbax saves only steps after its newest (is another run writing "
-          "into this folder?); stopping at step 1 of 2") in messages, messages
+          "into this folder?); stopping at step 1 of 3") in messages, messages
   monkeypatch.setattr(train.distributed.PreemptionNotice, "reached", lambda self, step: False)
   with pytest.raises(RuntimeError, match=re.escape(
       f"checkpoint: the save of step 2, due, did not start: {tmp_path} already holds step 8")):
