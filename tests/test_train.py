@@ -802,6 +802,20 @@ def test_resume_with_another_learning_rate_or_warmup_is_refused(tmp_path, flag, 
       {"run": train._identity(config)}) is None
 
 
+def test_a_setting_only_the_saved_run_has_is_another_run():
+  """A checkpoint whose run identity holds a setting this run's lacks (a model field of
+  another version of the model) is another run's, named with its value there; comparing
+  only this run's settings passed every test."""
+  config = _config()
+  saved = train._identity(config)
+  saved["model"]["num_experts"] = 8
+  assert train._same_run(config)({"run": saved}) == (
+      "saved by another run configuration (model.num_experts 8 there, None now)")
+  del saved["model"]["num_experts"], saved["seed"]
+  assert train._same_run(config)({"run": saved}) == (
+      "saved by another run configuration (seed None there, 0 now)")
+
+
 def test_resume_past_steps_is_refused_and_at_steps_is_complete(tmp_path):
   """A restored step past --steps would train nothing and say nothing: refused (status 2 in
   the command); equal to --steps: the run is complete, said so, nothing trained or saved."""
