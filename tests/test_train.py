@@ -515,7 +515,7 @@ def _corrupt_arrays(step_dir):
 @pytest.mark.parametrize("damage", [
     "corrupt_arrays", "delete_arrays", pytest.param("drop_metadata", marks=pytest.mark.slow),
     pytest.param("truncate_arrays", marks=pytest.mark.slow),
-    # metadata that lost one array's fingerprint: that array is unverified, not verified
+    # metadata that lost one array's fingerprint: skipped, not loaded with that array unchecked
     pytest.param("drop_a_fingerprint", marks=pytest.mark.slow)])
 def test_partial_or_corrupted_checkpoint_is_skipped_and_named(tmp_path, damage):
   trainer = train.Trainer(_config())
