@@ -541,12 +541,10 @@ def test_partial_or_corrupted_checkpoint_is_skipped_and_named(tmp_path, damage):
       with open(name, "w"):
         pass
   elif damage == "drop_a_fingerprint":
-    meta_file = os.path.join(step4, "meta", "metadata")
-    with open(meta_file) as f:
-      meta = json.load(f)
+    meta_file = tmp_path / "4" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
     del meta["fingerprint"]["['step']"]
-    with open(meta_file, "w") as f:
-      json.dump(meta, f)
+    meta_file.write_text(json.dumps(meta))
   else:
     os.remove(os.path.join(step4, "meta", "metadata"))
   # A leftover of an interrupted save of step 6.
