@@ -45,6 +45,16 @@ ONE_HOT = random_check.Case(
     segments=True, lengths=False, sinks=False, softcap=None, q_scale=12.0, scale=None,
     poison=None, poison_value=math.nan, seed=900445832)
 
+# bfloat16 through the all-gather strategy on 8 devices, length 131 (padded), a window and a
+# soft-cap: the exact dv[0, 0] is 2.195372, 6e-5 above the midpoint of two bfloat16 values;
+# the gradient as returned rounds to 2.1875, the oracle's would round to 2.203125, a whole
+# unit apart, which the oracle's gradients in float32 do not read as an error.
+ROUNDING = random_check.Case(
+    kind="api", ring_size=8, strategy="allgather", layout="contiguous", bidirectional=False,
+    h=8, hv=8, t=131, s=131, n=1, kh=1, lead=(1,), dtype="bfloat16", causal=False,
+    window=(32, 0), segments=False, lengths=False, sinks=False, softcap=30.0, q_scale=1.0,
+    scale=0.05, poison=None, poison_value=math.nan, seed=169098928)
+
 
 def _checker():
   return random_check._Checker("xla")  # pylint: disable=protected-access
@@ -83,10 +93,10 @@ def test_only_ringflash_refuses_a_case(monkeypatch, capsys):
                                   dataclasses.replace(DECODE, poison="v", dtype="bfloat16"),
                                   dataclasses.replace(API, tiles=(4, 4, 4, 8)),
                                   dataclasses.replace(HOP, tiles=(8, 32, 16, 64)),
-                                  ONE_HOT],
+                                  ONE_HOT, ROUNDING],
                          ids=["api", "hop", "k-nan", "v-inf-bf16", "hybrid-lse", "decode",
                               "cache", "sharded", "decode-v-nan-bf16", "api-tiles",
-                              "hop-tiles", "f16-one-hot"])
+                              "hop-tiles", "f16-one-hot", "bf16-rounding"])
 def test_a_right_case_passes(case):
   assert getattr(_checker(), case.kind)(case) == []
 
