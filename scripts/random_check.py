@@ -57,7 +57,9 @@ out_i is taken from the output as ringflash stores and returns it, in the inputs
 which differs from the oracle's float32 output by delta_i = dout_i . (out_i - ref_i). That
 moves ds_ij = p_ij (dp_ij - D_i) by -p_ij delta_i, which is what a cotangent -delta_i on
 lse_i gives (d lse_i / d s_ij = p_ij), so the oracle's gradients are taken with that
-cotangent besides (`stored_output_shift`); dsinks moves the same way, through lse. Where a
+cotangent besides (`stored_output_shift`); dsinks moves the same way, through lse. With
+sinks, the output as stored is the strategy's, without them, in the inputs' dtype, times each
+row's sink scaling, unrounded (`as_stored`: the returned output is that rounded again). Where a
 row's softmax is nearly one-hot, dp_ij - D_i cancels to a small fraction of D_i's terms and
 this term is most of the gradient: seed 58003's float16 case (a query scaled 12x, p = 0.9998
 on one key) had dk within 7e-7 of the gradient with D from the stored output and 0.0021 off
@@ -389,6 +391,21 @@ class _Checker:
         return user(out), user(lse)
       return f
 
+    def as_stored(q, k, v, out, lse):
+      """The output whose D = dout . out our backward takes (the contract's): out itself;
+      with sinks, the output without them (computed again: as the strategy returns it, in the
+      inputs' dtype, before the sinks are added) times each row's sink scaling
+      w = exp(lse_without - lse), unrounded. The returned out is that product rounded once
+      more, which D never sees: a reference taking D from it is off by that rounding, which
+      dsinks (a sum over every row of a head) accumulates."""
+      if sinks is None:
+        return out
+      bare, bare_lse = jax.jit(ours)(q, k, v, None, aux)
+      bare_lse, lse = np.asarray(bare_lse, np.float64), np.asarray(lse, np.float64)
+      none = bare_lse == -np.inf
+      w = np.where(none, 0.0, np.exp(np.where(none, 0.0, bare_lse - np.where(none, 0.0, lse))))
+      return np.asarray(bare, np.float64) * np.moveaxis(w, -1, -2)[..., None]
+
     def stored_output_shift(stored, ref, keep):
       """-delta [*lead, N, T], delta_i = dout_i . (stored_i - ref_i): our output as stored
       against the oracle's (the module docstring says why); 0 where either is not finite
@@ -430,7 +447,8 @@ class _Checker:
 
     keep = jnp.ones(lead + (c.t, c.n, 1), bool)
     (o, lse), g = run(ours, q, k, v, keep)
-    (ro, rl), (eg, rg) = run(dense(True), *self.upcast(q, k, v), keep, stored=o)
+    (ro, rl), (eg, rg) = run(dense(True), *self.upcast(q, k, v), keep,
+                             stored=as_stored(q, k, v, o, lse))
     (po, pl), pg = run(dense(False), q, k, v, keep)
     fails = []
     finite = np.isfinite(np.asarray(rl))
@@ -444,9 +462,9 @@ class _Checker:
     fails = [f for f in fails if f]
     if fails or c.poison is None:
       return fails
-    return self.poisoned(c, (q, k, v), aux, nr, ours, dense, run, grads_close)
+    return self.poisoned(c, (q, k, v), aux, nr, ours, dense, run, grads_close, as_stored)
 
-  def poisoned(self, c, qkv, aux, nr, ours, dense, run, grads_close) -> list[str]:
+  def poisoned(self, c, qkv, aux, nr, ours, dense, run, grads_close, as_stored) -> list[str]:
     """One NaN or Inf entry: the rows that see it, and nothing else, become non-finite."""
     jnp, np = self.jnp, self.np
     lead, b = c.lead, math.prod(c.lead)
@@ -469,8 +487,9 @@ class _Checker:
       must = math.isnan(c.poison_value) or c.poison == "v"
     seeing = seeing.reshape(lead + (c.t, c.n))
     keep = jnp.asarray(~seeing)[..., None]
-    (o, _), g = run(ours, bad["q"], bad["k"], bad["v"], keep)
-    (ro, rl), (eg, rg) = run(dense(True), *self.upcast(*qkv), keep, stored=o)
+    (o, lse), g = run(ours, bad["q"], bad["k"], bad["v"], keep)
+    (ro, rl), (eg, rg) = run(dense(True), *self.upcast(*qkv), keep,
+                             stored=as_stored(bad["q"], bad["k"], bad["v"], o, lse))
     (po, _), pg = run(dense(False), *qkv, keep)
     o, ro, po = (np.asarray(x, np.float32) for x in (o, ro, po))
     what = f"{c.poison}={c.poison_value}"
