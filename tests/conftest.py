@@ -1,9 +1,21 @@
-"""Test set-up: 8 simulated CPU devices, before JAX initializes any backend."""
+"""Test set-up: 8 simulated CPU devices, before JAX initializes any backend.
+
+XLA's CPU code generation runs at LLVM optimization level 0 unless XLA_FLAGS says otherwise:
+the suite compiles many small programs once each and runs them on tiny arrays, so compiling
+is most of its time, and level 0 took about 40% off it (tests/contract/test_xla.py 172 s ->
+97 s, test_pallas_tpu.py 143 s -> 81 s, on two cores). Numerics are IEEE float either way
+(XLA's CPU fast-math stays off) and the checks and tolerances are the same; the programs
+compiled for TPUs without one (tests/test_tpu_compile.py) are the same bit for bit. The
+processes the tests start inherit it; `bash scripts/demo` and scripts/random_check.py keep
+XLA's default.
+"""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 
