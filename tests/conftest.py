@@ -3,8 +3,8 @@
 XLA's CPU code generation runs at LLVM optimization level 0 unless XLA_FLAGS says otherwise:
 the suite compiles many small programs once each and runs them on tiny arrays, so compiling
 is most of its time; level 0 took about 40% off the contract files (tests/contract/
-test_xla.py 172 s -> 97 s, test_pallas_tpu.py 143 s -> 81 s, on two cores). The checks and
-tolerances are the same. The TPU program compiled without a TPU that was compared
+test_xla.py 172 s -> 97 s, 34 cases of test_pallas_tpu.py 143 s -> 81 s, on two cores). The
+checks and tolerances are the same. The TPU program compiled without a TPU that was compared
 (tests/test_tpu_compile.py, v5p:2x2x2, causal) is the same text with and without it. The
 processes the tests start inherit it, except those started without XLA_FLAGS (training and
 generation runs); `bash scripts/demo` and scripts/random_check.py keep XLA's default.
